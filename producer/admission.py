@@ -1,0 +1,76 @@
+"""Admission: whether a request fits the model, decided before anything touches Redis.
+
+The prompt (or the chat messages, rendered by the model's chat template) is tokenized with the
+model's own tokenizer. A prompt that leaves no room to generate, or a ``max_tokens`` that would
+run past the context, is refused with the field to change. Plain Python: no torch, no Redis.
+"""
+
+from __future__ import annotations
+
+from tidegate.chat_template import ChatTemplateError
+from tidegate.model_source import resolve_model
+from tidegate.protocol import JobRequest
+from tidegate.tokenizer import Tokenizer, load_tokenizer
+
+
+class AdmissionError(Exception):
+    """A request the model cannot serve; ``field`` names the request field to change.
+
+    ``type`` is the API error type: ``context_length_exceeded``, or ``invalid_request`` for
+    messages the chat template refuses.
+    """
+
+    def __init__(self, field: str, reason: str, *, type: str = "context_length_exceeded"):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+        self.type = type
+
+
+class Admission:
+    """Checks requests against one model's tokenizer and context length."""
+
+    def __init__(self, tokenizer: Tokenizer, max_context: int | None = None):
+        self.tokenizer = tokenizer
+        self.max_context = max_context if max_context is not None else tokenizer.max_context
+
+    @classmethod
+    def for_model(cls, model: str) -> Admission:
+        """Admission for a model spec (``smollm2``, a directory, a .gguf, ``random:<preset>``).
+
+        Raises ``tidegate.model_source.ModelLoadError`` when the model cannot be found.
+        """
+        return cls(load_tokenizer(resolve_model(model)))
+
+    def check(self, request: JobRequest) -> JobRequest:
+        """The request to enqueue, or ``AdmissionError`` if it cannot fit.
+
+        A request that did not set ``max_tokens`` gets the default capped to the room its
+        prompt leaves, rather than a refusal over a field it never sent. CPU-bound on long
+        prompts: call it from a worker thread in async code.
+        """
+        prompt_tokens = self.count_prompt_tokens(request)
+        field = "prompt" if request.prompt is not None else "messages"
+        if prompt_tokens >= self.max_context:
+            raise AdmissionError(
+                field,
+                f"the prompt is {prompt_tokens} tokens; the model's context is "
+                f"{self.max_context} tokens, which leaves no room to generate",
+            )
+        room = self.max_context - prompt_tokens
+        if "max_tokens" not in request.model_fields_set and request.max_tokens > room:
+            return request.model_copy(update={"max_tokens": room})
+        if request.max_tokens > room:
+            raise AdmissionError(
+                "max_tokens",
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({request.max_tokens}) exceeds "
+                f"the model's context of {self.max_context} tokens; at most {room} fit",
+            )
+        return request
+
+    def count_prompt_tokens(self, request: JobRequest) -> int:
+        """Tokens of the prompt as the worker will see it (chat messages rendered)."""
+        try:
+            return len(self.tokenizer.encode_prompt(request.prompt, request.messages))
+        except ChatTemplateError as exc:  # e.g. a template that insists roles alternate
+            raise AdmissionError("messages", str(exc), type="invalid_request") from exc

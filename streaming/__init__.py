@@ -1,0 +1,1 @@
+"""The WebSocket gateway: job events from Redis fanned out to every watching client."""

@@ -1,0 +1,109 @@
+"""The whole stack through real processes: `tidegate up` (API + gateway + worker) on a real Redis.
+
+Drives it as users do: the Python client, a raw WebSocket client, and the `tidegate` CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import websockets
+
+from producer.client import Client
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+TIDEGATE = [sys.executable, "-m", "tidegate.cli"]
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server) -> Iterator[str]:  # noqa: ANN001
+    port = free_port()
+    env = {**os.environ, "TIDEGATE_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(
+        [*TIDEGATE, "up", "--redis-url", redis_server.url, "--port", str(port),
+         "--model", "smollm2"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    assert proc.stdout is not None
+    for line in proc.stdout:  # `up` prints its banner once a worker is heartbeating
+        if "tidegate is up" in line:
+            break
+        assert time.monotonic() < deadline and proc.poll() is None, line
+    # Keep draining its output so a full pipe can never stall the stack.
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    yield base
+    proc.terminate()
+    proc.wait(60)
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*TIDEGATE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+async def test_twenty_concurrent_jobs_stream_exactly_their_results(stack: str) -> None:
+    questions = [f"In one sentence, what is {n} times 3?" for n in range(20)]
+
+    async def one(client: Client, q: str) -> tuple[str, str, str]:
+        handle = await client.submit(messages=[{"role": "user", "content": q}], max_tokens=24,
+                                     temperature=0.7, seed=len(q))
+        streamed = "".join([e.text async for e in handle.events() if e.type == "token"])
+        result = await handle.result()
+        assert result.status == "done" and result.usage is not None
+        return handle.id, streamed, result.text or ""
+
+    async with Client(stack) as client:
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(one(client, q) for q in questions)), 240)
+    assert len({job_id for job_id, _, _ in outcomes}) == 20
+    for _job_id, streamed, text in outcomes:
+        assert streamed == text and text
+
+
+async def test_late_websocket_client_receives_the_whole_stream(stack: str) -> None:
+    async with Client(stack) as client:
+        handle = await client.submit(messages=[{"role": "user", "content": "Say hello."}],
+                                     max_tokens=12)
+        result = await asyncio.wait_for(handle.result(), 120)
+    async with websockets.connect(handle.stream_url) as ws:
+        frames = [json.loads(f) async for f in ws]
+    assert [f["id"] for f in frames] == list(range(1, len(frames) + 1))
+    assert frames[0]["type"] == "queued" and frames[-1]["type"] == "done"
+    assert "".join(f["text"] for f in frames if f["type"] == "token") == result.text
+
+
+async def test_http_api_contract(stack: str) -> None:
+    async with httpx.AsyncClient(base_url=stack) as http:
+        assert (await http.get("/healthz")).status_code == 200
+        r = await http.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 0})
+        assert r.status_code == 422 and "max_tokens" in r.text
+        r = await http.post("/v1/jobs", content=b"{oops", headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        r = await http.post("/v1/jobs", json={"prompt": "word " * 9000, "max_tokens": 5})
+        assert r.status_code == 422 and "prompt" in r.text
+        assert (await http.get("/v1/jobs/doesnotexist")).status_code == 404
+
+
+def test_cli_submit_streams_a_sensible_answer(stack: str) -> None:
+    out = cli("submit", "What is the capital of France?", "--stream", "--url", stack)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_cli_bad_input_exits_2_with_a_message(stack: str) -> None:
+    out = cli("submit", "hi", "--max-tokens", "-5", "--url", stack)
+    assert out.returncode == 2 and "max_tokens" in out.stderr and "Traceback" not in out.stderr
+    out = cli("up", "--model", "/no/such/model", "--port", "0")
+    assert out.returncode == 2 and "/no/such/model" in out.stderr and "Traceback" not in out.stderr

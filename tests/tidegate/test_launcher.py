@@ -1,0 +1,48 @@
+"""`tidegate up` without any redis-server falls back to embedded fakeredis and still serves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def test_up_without_redis_server_uses_embedded_fakeredis_and_answers(tmp_path: Path) -> None:
+    port = free_port()
+    # A PATH holding only this interpreter's directory: no redis-server to be found.
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent), "TIDEGATE_LOG_LEVEL": "WARNING"}
+    env.pop("REDIS_URL", None)
+    env.pop("TIDEGATE_REDIS_URL", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidegate.cli", "up", "--port", str(port), "--model", "random:tiny"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    assert proc.stdout is not None
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 90
+        for line in proc.stdout:
+            seen.append(line)
+            if "tidegate is up" in line:
+                break
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        assert any("fakeredis" in line for line in seen), "".join(seen)
+        out = subprocess.run(
+            [sys.executable, "-m", "tidegate.cli", "submit", "hello", "--raw", "--max-tokens", "5",
+             "--stream", "--url", f"http://127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=60, env=env,
+        )
+        assert out.returncode == 0, out.stderr
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -1,0 +1,134 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaForCausalLM
+
+from kernels.rotary import Llama3Scaling
+from tests.worker.hf_oracle import causal_logits
+from tests.worker.tiny_checkpoints import (
+    LLAMA3_ROPE,
+    llama_cpp_permute,
+    tiny_hf_model,
+    write_gguf,
+    write_hf_dir,
+)
+from tidegate.model_source import ModelLoadError, preset_config
+from worker.loader import load_model
+from worker.loader_gguf import unpermute_qk
+
+# A sequence longer than the llama3 variant's original context (32), so scaled bands matter.
+IDS = [256, *range(40, 120, 2), 97, 98, 99, 10, 32, 200, 255, 3, 4]
+VARIANTS = {
+    "untied": dict(tied=False),
+    "tied": dict(tied=True),
+    "llama3-rope": dict(tied=False, llama3_rope=True),
+}
+
+
+def hf_reference_logits(model: LlamaForCausalLM) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([IDS])).logits[0]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_hf_directory_logits_match_transformers(tmp_path: Path, variant: str) -> None:
+    hf = tiny_hf_model(**VARIANTS[variant])
+    loaded = load_model(str(write_hf_dir(hf, tmp_path / variant)))
+    assert loaded.config.tie_word_embeddings == hf.config.tie_word_embeddings
+    assert loaded.source.kind == "hf"
+    diff = (causal_logits(loaded.model, IDS) - hf_reference_logits(hf)).abs().max().item()
+    assert diff < 1e-4
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gguf_logits_match_transformers(tmp_path: Path, variant: str) -> None:
+    """Through llama.cpp's layout: permuted q/k rows, rope_freqs, reversed dims, no output.weight
+    when tied. Our loader must undo all of it."""
+    hf = tiny_hf_model(**VARIANTS[variant])
+    loaded = load_model(str(write_gguf(hf, tmp_path / f"{variant}.gguf")))
+    assert loaded.config.tie_word_embeddings == hf.config.tie_word_embeddings
+    diff = (causal_logits(loaded.model, IDS) - hf_reference_logits(hf)).abs().max().item()
+    assert diff < 1e-4
+
+
+def test_gguf_llama3_rope_freqs_become_the_scaling(tmp_path: Path) -> None:
+    hf = tiny_hf_model(tied=False, llama3_rope=True)
+    config = load_model(str(write_gguf(hf, tmp_path / "m.gguf"))).config
+    assert config.rope_scaling == Llama3Scaling(
+        LLAMA3_ROPE["factor"], LLAMA3_ROPE["low_freq_factor"], LLAMA3_ROPE["high_freq_factor"],
+        LLAMA3_ROPE["original_max_position_embeddings"])
+
+
+def test_hf_config_fields_are_read(tmp_path: Path) -> None:
+    hf = tiny_hf_model(tied=False, llama3_rope=True)
+    loaded = load_model(str(write_hf_dir(hf, tmp_path / "m")))
+    cfg = loaded.config
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers) == (
+        260, 64, 128, 2)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 8.0
+    assert loaded.tokenizer.bos_token_id == 256
+    assert loaded.load_s > 0
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    weight = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
+    for heads in (8, 2):
+        permuted = torch.from_numpy(llama_cpp_permute(weight, heads))
+        assert torch.equal(unpermute_qk(permuted, heads), torch.from_numpy(weight))
+
+
+def test_random_tiny_model_is_deterministic_and_finite() -> None:
+    a = load_model("random:tiny", seed=1)
+    b = load_model("random:tiny", seed=1)
+    c = load_model("random:tiny", seed=2)
+    wa, wb, wc = (m.model.layers[0].qkv_proj.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    assert abs(wa.std().item() - 0.02) < 0.002
+    assert torch.all(a.model.norm == 1)
+    assert torch.isfinite(causal_logits(a.model, [1, 2, 3, 4])).all()
+    assert a.source.name == "random:tiny" and a.config.vocab_size == 512
+
+
+def test_random_model_is_built_in_the_requested_dtype() -> None:
+    loaded = load_model("random:smollm2-135m", dtype=torch.bfloat16)
+    params = list(loaded.model.parameters())
+    assert {p.dtype for p in params} == {torch.bfloat16}
+    assert {p.device.type for p in params} == {"cpu"}
+    assert loaded.model.rope_cache.dtype == torch.float32  # positions keep their precision
+    assert sum(p.numel() for p in params) == loaded.config.num_params()
+    assert loaded.config.num_params() == pytest.approx(134.5e6, rel=0.01)
+    assert loaded.config.max_position_embeddings == preset_config("smollm2-135m")[
+        "max_position_embeddings"]
+    assert not loaded.model.training
+    logits = causal_logits(loaded.model, list(range(16)))
+    assert torch.isfinite(logits).all() and logits.abs().max() < 50
+
+
+def test_bad_path_gives_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=rf"{tmp_path / 'missing'}.*does not exist"):
+        load_model(str(tmp_path / "missing"))
+
+
+def test_missing_tensor_is_named(tmp_path: Path) -> None:
+    path = write_hf_dir(tiny_hf_model(tied=False), tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=rf"{path}.*model.layers.1.mlp.down_proj.weight"):
+        load_model(str(path))
+
+
+def test_unsupported_rope_type_is_refused(tmp_path: Path) -> None:
+    path = write_hf_dir(tiny_hf_model(tied=False), tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"config.json: rope_type 'yarn' is not supported"):
+        load_model(str(path))

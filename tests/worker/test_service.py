@@ -1,0 +1,109 @@
+"""The worker against a real redis-server: jobs in, events and results out, bad jobs survived."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from tidegate import keys
+from tidegate.event_feed import follow
+from tidegate.jobstore import JOB_FIELD, enqueue, read_result
+from tidegate.protocol import JobRequest
+from worker.engine import Engine, EngineConfig
+from worker.loader import LoadedModel, load_model
+from worker.service import WorkerService
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("random:tiny")
+
+
+@pytest.fixture
+async def worker(aredis: aioredis.Redis, tiny: LoadedModel) -> AsyncIterator[WorkerService]:
+    engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=256, max_num_seqs=4))
+    service = WorkerService(aredis, engine, worker_id="w-test")
+    task = asyncio.create_task(service.run())
+    yield service
+    service.stop()
+    await asyncio.wait_for(task, 10)
+
+
+async def collect(aredis: aioredis.Redis, job_id: str) -> list[dict]:
+    async def run() -> list[dict]:
+        return [e.data() async for e in follow(aredis, job_id)]
+
+    return await asyncio.wait_for(run(), 60)
+
+
+async def submit(aredis: aioredis.Redis, **body: object) -> str:
+    job = JobRequest.model_validate(body).to_job(default_timeout_s=60)
+    await enqueue(aredis, job)
+    return job.id
+
+
+async def pending(aredis: aioredis.Redis, lane: str = "interactive") -> int:
+    info = await aredis.xpending(keys.lane_stream(lane), keys.CONSUMER_GROUP)
+    return info["pending"]
+
+
+async def test_jobs_stream_tokens_store_results_and_are_acked(
+    aredis: aioredis.Redis, worker: WorkerService
+) -> None:
+    ids = [await submit(aredis, prompt=f"hello {i}", max_tokens=5 + i, temperature=0.8, seed=i)
+           for i in range(6)]
+    for i, job_id in enumerate(ids):
+        events = await collect(aredis, job_id)
+        assert [e["type"] for e in events][:2] == ["queued", "started"]
+        assert [e["id"] for e in events] == list(range(1, len(events) + 1))
+        tokens = [e for e in events if e["type"] == "token"]
+        done = events[-1]
+        assert done["type"] == "done" and len(tokens) == done["usage"]["completion_tokens"]
+        assert "".join(t["text"] for t in tokens) == done["text"]
+        assert [t["index"] for t in tokens] == list(range(len(tokens)))
+        result = await read_result(aredis, job_id)
+        assert result is not None and result.status == "done" and result.text == done["text"]
+        assert result.usage.completion_tokens <= 5 + i
+    assert await pending(aredis) == 0
+
+
+async def test_malformed_jobs_are_rejected_acked_and_survived(
+    aredis: aioredis.Redis, worker: WorkerService
+) -> None:
+    stream = keys.lane_stream("interactive")
+    await aredis.xadd(stream, {"nonsense": "1"})
+    await aredis.xadd(stream, {JOB_FIELD: "{not json"})
+    await aredis.xadd(stream, {JOB_FIELD: json.dumps({"id": "badjob", "prompt": "x",
+                                                       "deadline_ms": 1, "created_ms": 1,
+                                                       "surprise": True})})
+    events = await collect(aredis, "badjob")
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "invalid_job"
+    assert "surprise" in events[-1]["message"]
+    # The worker is still serving.
+    good = await submit(aredis, prompt="still alive?", max_tokens=3)
+    assert (await collect(aredis, good))[-1]["type"] == "done"
+    assert await pending(aredis) == 0
+
+
+async def test_prompt_over_the_context_is_an_error_not_a_crash(
+    aredis: aioredis.Redis, worker: WorkerService
+) -> None:
+    job_id = await submit(aredis, prompt="x" * 400, max_tokens=10)
+    events = await collect(aredis, job_id)
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "invalid_request"
+    assert "context" in events[-1]["message"]
+    result = await read_result(aredis, job_id)
+    assert result is not None and result.status == "error"
+
+
+async def test_batch_lane_is_served_and_heartbeat_is_visible(
+    aredis: aioredis.Redis, worker: WorkerService
+) -> None:
+    job_id = await submit(aredis, prompt="offline work", max_tokens=4, lane="batch")
+    assert (await collect(aredis, job_id))[-1]["type"] == "done"
+    assert await aredis.exists(keys.worker_heartbeat("w-test"))
+    assert await pending(aredis, "batch") == 0

@@ -1,0 +1,207 @@
+"""The `tidegate` command: run any role, the whole stack, or submit a job.
+
+Bad input exits with code 2 and one line naming what is wrong; a job that fails exits 1.
+Roles are imported inside their commands so `tidegate submit` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from tidegate import __version__
+
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _settings(args: argparse.Namespace):  # -> Settings
+    from pydantic import ValidationError
+
+    from tidegate.settings import load_settings
+
+    fields = ("redis_url", "model", "device", "max_num_seqs", "host", "port", "log_level")
+    try:
+        return load_settings(**{f: getattr(args, f, None) for f in fields})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise CliError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
+def _check_model(spec: str) -> None:
+    from tidegate.model_source import ModelLoadError, resolve_model
+
+    try:
+        resolve_model(spec)
+    except ModelLoadError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _serve_asgi(app, settings) -> int:  # noqa: ANN001
+    import uvicorn
+
+    uvicorn.run(app, host=settings.host, port=settings.port,
+                log_level=settings.log_level.lower(), ws="websockets-sansio")
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from tidegate.launcher import run_up
+
+    settings = _settings(args)
+    _check_model(settings.model)
+    explicit = args.redis_url or os.environ.get("TIDEGATE_REDIS_URL") or os.environ.get("REDIS_URL")
+    return run_up(settings, explicit)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from worker.service import serve
+
+    settings = _settings(args)
+    _check_model(settings.model)
+    asyncio.run(serve(settings))
+    return 0
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    from producer.api import create_app
+
+    settings = _settings(args)
+    _check_model(settings.model)
+    return _serve_asgi(create_app(settings), settings)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from streaming.gateway import create_app
+
+    settings = _settings(args)
+    return _serve_asgi(create_app(settings), settings)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from producer.errors import InvalidRequest, TidegateError
+
+    try:
+        return asyncio.run(_submit(args))
+    except InvalidRequest as exc:
+        raise CliError("invalid request: " + "; ".join(
+            f"{f['field']}: {f['reason']}" for f in exc.fields)) from None
+    except TidegateError as exc:
+        raise CliError(str(exc), EXIT_FAILED) from None
+
+
+async def _submit(args: argparse.Namespace) -> int:
+    from producer.client import Client
+
+    messages = None
+    prompt: str | None = args.prompt
+    if not args.raw:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        prompt = None
+    params = {k: v for k, v in {
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+        "top_k": args.top_k, "seed": args.seed, "stop": args.stop or None,
+        "timeout_s": args.timeout, "lane": args.lane,
+    }.items() if v is not None}
+    async with Client(args.url) as client:
+        handle = await client.submit(prompt, messages=messages, **params)
+        if args.stream:
+            async for event in handle.events():
+                if event.type == "token":
+                    print(event.text, end="", flush=True)
+            print()
+        result = await handle.result()
+    if args.json:
+        print(result.model_dump_json(indent=2))
+    elif not args.stream:
+        print(result.text or "")
+    if result.status != "done":
+        detail = result.error or {}
+        print(f"job {result.status}: {detail.get('code', '')} {detail.get('message', '')}",
+              file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+def _add_common(p: argparse.ArgumentParser, *, model: bool = True, serve: bool = True) -> None:
+    p.add_argument("--redis-url", help="Redis URL (env TIDEGATE_REDIS_URL or REDIS_URL)")
+    if model:
+        p.add_argument("--model", help="smollm2 (default) | HF directory | .gguf | random:<preset>")
+    if serve:
+        p.add_argument("--host", help="bind address (default 127.0.0.1)")
+        p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tidegate", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"tidegate {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("up", help="run Redis, a worker, the API and the gateway locally")
+    _add_common(p)
+    p.add_argument("--device", help="cpu (default) or cuda")
+    p.add_argument("--max-num-seqs", type=int, help="requests the worker batches at once")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("worker", help="pull jobs from Redis and generate")
+    _add_common(p, serve=False)
+    p.add_argument("--device", help="cpu (default) or cuda")
+    p.add_argument("--max-num-seqs", type=int, help="requests batched at once")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("api", help="serve the HTTP API")
+    _add_common(p)
+    p.set_defaults(func=cmd_api)
+
+    p = sub.add_parser("gateway", help="serve the WebSocket gateway")
+    _add_common(p, model=False)
+    p.set_defaults(func=cmd_gateway)
+
+    p = sub.add_parser("submit", help="submit a job and print its answer")
+    p.add_argument("prompt", help="the user message (or the raw prompt with --raw)")
+    p.add_argument("--url", default=os.environ.get("TIDEGATE_URL", "http://127.0.0.1:8000"),
+                   help="the API's base URL (env TIDEGATE_URL)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    p.add_argument("--raw", action="store_true", help="send a plain prompt, no chat template")
+    p.add_argument("--system", help="a system message")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    p.add_argument("--timeout", type=float, help="seconds until the job's deadline")
+    p.add_argument("--lane", choices=["interactive", "batch"])
+    p.add_argument("--json", action="store_true", help="print the full result as JSON")
+    p.set_defaults(func=cmd_submit)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = (getattr(args, "log_level", None) or os.environ.get("TIDEGATE_LOG_LEVEL", "INFO"))
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
+    try:
+        return args.func(args)
+    except CliError as exc:
+        print(f"tidegate: error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Every Redis key, stream and channel name tidegate uses, and their lifetimes.
+
+All keys of one job share the Redis Cluster hash tag ``{job_id}`` so a job's hash, event
+stream and channel live in one slot; lane streams carry their own tag per partition so a
+lane can be split across slots.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "tidegate"
+
+# Lanes are separate streams; workers serve them in this order.
+LANES: tuple[str, ...] = ("interactive", "batch")
+
+# The consumer group every worker of one deployment joins on every lane stream.
+CONSUMER_GROUP = "workers"
+
+# A job's hash and event stream outlive the job by this long, so late clients can replay.
+JOB_TTL_S = 24 * 3600
+# A job's event stream is capped (approximately) at this many entries.
+EVENTS_MAXLEN = 100_000
+# Lane streams are capped far above any sane backlog; entries are acked, never needed after.
+LANE_MAXLEN = 1_000_000
+
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def is_valid_job_id(job_id: str) -> bool:
+    return bool(JOB_ID_RE.match(job_id))
+
+
+def lane_stream(lane: str, partition: int = 0) -> str:
+    """The job stream of one lane partition; the tag spreads partitions across cluster slots."""
+    return f"{PREFIX}:lane:{{{lane}.{partition}}}"
+
+
+def job_hash(job_id: str) -> str:
+    """Hash holding the job's spec, status and, once finished, its result."""
+    return f"{PREFIX}:job:{{{job_id}}}"
+
+
+def job_events(job_id: str) -> str:
+    """Stream of every event the job emitted, in order, for replay to late clients."""
+    return f"{PREFIX}:job:{{{job_id}}}:events"
+
+
+def job_channel(job_id: str) -> str:
+    """Pub/sub channel carrying the job's events live."""
+    return f"{PREFIX}:job:{{{job_id}}}:live"
+
+
+def worker_heartbeat(worker_id: str) -> str:
+    """Key a live worker refreshes; it expires when the worker dies."""
+    return f"{PREFIX}:worker:{{{worker_id}}}"
+
+
+WORKER_HEARTBEAT_TTL_S = 15

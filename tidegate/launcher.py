@@ -1,0 +1,182 @@
+"""`tidegate up`: the whole stack on one machine.
+
+Redis comes from the given URL, else a ``redis-server`` started on a free port, else an embedded
+fakeredis server (with a warning). One worker runs as a child process; the HTTP API and the
+WebSocket gateway share one port in this process. This module is the composition root, so it is
+the one place in ``tidegate/`` that imports the roles (lazily, inside functions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+
+import redis
+
+from tidegate import keys
+from tidegate.redis_conn import redacted
+from tidegate.settings import Settings
+
+log = logging.getLogger("tidegate.up")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_redis(url: str, timeout_s: float = 10.0) -> None:
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    finally:
+        client.close()
+
+
+@contextlib.contextmanager
+def local_redis(url: str | None) -> Iterator[str]:
+    """Yield a Redis URL: the given one, a private redis-server, or embedded fakeredis."""
+    if url:
+        yield url
+        return
+    exe = shutil.which("redis-server")
+    if exe:
+        with tempfile.TemporaryDirectory(prefix="tidegate-redis-") as workdir:
+            port = free_port()
+            proc = subprocess.Popen(
+                [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
+                 "--save", "", "--appendonly", "yes", "--protected-mode", "no"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            try:
+                url = f"redis://127.0.0.1:{port}/0"
+                _wait_for_redis(url)
+                log.info("started redis-server on port %d", port)
+                yield url
+            finally:
+                proc.terminate()
+                proc.wait(10)
+        return
+    from fakeredis import TcpFakeServer
+
+    log.warning("redis-server is not installed: using an embedded fakeredis server "
+                "(in memory, single process; install redis-server for anything real)")
+    server = TcpFakeServer(("127.0.0.1", free_port()), server_type="redis")
+    thread = threading.Thread(target=server.serve_forever, daemon=True, name="fakeredis")
+    thread.start()
+    try:
+        host, port = server.server_address[:2]
+        yield f"redis://{host}:{port}/0"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def combined_app(settings: Settings):  # -> Starlette
+    """The HTTP API and the WebSocket gateway as one ASGI app on one port."""
+    from starlette.applications import Starlette
+
+    from producer.api import ProducerAPI
+    from streaming.gateway import Gateway
+
+    api, gateway = ProducerAPI(settings), Gateway(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette):
+        await api.start()
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+            await api.stop()
+
+    gateway_routes = [r for r in gateway.routes if getattr(r, "path", "") != "/healthz"]
+    return Starlette(routes=[*api.routes, *gateway_routes], lifespan=lifespan,
+                     exception_handlers=dict(api.exception_handlers))
+
+
+def _spawn_worker(settings: Settings) -> subprocess.Popen:
+    env = dict(os.environ)
+    # The URL goes through the environment, not argv: it may hold a password.
+    env["TIDEGATE_REDIS_URL"] = settings.redis_url
+    env["TIDEGATE_MODEL"] = settings.model
+    env["TIDEGATE_DEVICE"] = settings.device
+    env["TIDEGATE_MAX_NUM_SEQS"] = str(settings.max_num_seqs)
+    return subprocess.Popen([sys.executable, "-m", "tidegate.cli", "worker"], env=env)
+
+
+async def _wait_for_worker(settings: Settings, proc: subprocess.Popen) -> bool:
+    """True once a worker heartbeats; False if the child died first."""
+    client = redis.asyncio.Redis.from_url(settings.redis_url)
+    try:
+        while proc.poll() is None:
+            if [k async for k in client.scan_iter(match=keys.worker_heartbeat("*"), count=100)]:
+                return True
+            await asyncio.sleep(0.2)
+        return False
+    finally:
+        await client.aclose()
+
+
+async def _serve(settings: Settings) -> int:
+    import uvicorn
+
+    worker = _spawn_worker(settings)
+    server = uvicorn.Server(uvicorn.Config(
+        combined_app(settings), host=settings.host, port=settings.port,
+        log_level=settings.log_level.lower(), ws="websockets-sansio", lifespan="on",
+    ))
+
+    async def watch_worker() -> None:
+        await asyncio.to_thread(worker.wait)
+        if not server.should_exit:
+            log.error("the worker exited with code %s; stopping", worker.returncode)
+            server.should_exit = True
+
+    watcher = asyncio.create_task(watch_worker())
+
+    async def announce() -> None:
+        if await _wait_for_worker(settings, worker):
+            base = f"http://{settings.host}:{settings.port}"
+            print(f"tidegate is up: {base}  (redis {redacted(settings.redis_url)}, "
+                  f"model {settings.model})\n  try: tidegate submit \"What is the capital of "
+                  f"France?\" --stream", flush=True)
+
+    announcer = asyncio.create_task(announce())
+    try:
+        await server.serve()
+    finally:
+        announcer.cancel()
+        if worker.poll() is None:
+            worker.terminate()
+            try:
+                await asyncio.wait_for(asyncio.to_thread(worker.wait), 30)
+            except TimeoutError:
+                worker.kill()
+        watcher.cancel()
+    return 0 if worker.returncode in (0, -15, None) else 1
+
+
+def run_up(settings: Settings, redis_url: str | None) -> int:
+    with local_redis(redis_url) as url:
+        return asyncio.run(_serve(settings.model_copy(update={"redis_url": url})))

@@ -1,0 +1,233 @@
+"""The wire protocol: what a producer submits and every event a job emits.
+
+Jobs travel through the lane streams as one JSON document (``Job``); events travel on the job's
+pub/sub channel and event stream as one JSON object each, with ``type``, a per-job monotonically
+increasing ``id`` and the type's fields. Unknown fields in anything submitted are rejected.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+Lane = Literal["interactive", "batch"]
+Role = Literal["system", "user", "assistant"]
+FinishReason = Literal["stop", "length", "cancelled", "deadline", "error"]
+
+# A request may ask for at most this many new tokens; the model's context is checked separately.
+MAX_TOKENS_LIMIT = 32_768
+MAX_STOP_STRINGS = 16
+MAX_PROMPT_CHARS = 1_000_000
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _field_error(field: str, message: str) -> PydanticCustomError:
+    """A cross-field check's error that still names a field: its ``ctx["field"]``.
+
+    Model-level validators report an empty location; error bodies need a field to point at.
+    """
+    return PydanticCustomError("invalid_combination", message, {"field": field})
+
+
+class ChatMessage(_Strict):
+    role: Role
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class SamplingParams(_Strict):
+    """How to pick tokens. ``temperature == 0`` is greedy decoding (the default)."""
+
+    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 disables top-k")
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: object) -> object:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must be non-empty")
+        if any(len(s) > 256 for s in v):
+            raise ValueError("stop strings must be at most 256 characters")
+        return v
+
+
+class _PromptFields(_Strict):
+    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = Field(default=None, max_length=1024)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> _PromptFields:
+        if (self.prompt is None) == (self.messages is None):
+            raise _field_error("prompt", "give exactly one of 'prompt' or 'messages'")
+        if self.prompt is not None and not self.prompt.strip():
+            raise _field_error("prompt", "'prompt' must not be empty")
+        if self.messages is not None and not self.messages:
+            raise _field_error("messages", "'messages' must not be empty")
+        return self
+
+
+class JobRequest(_PromptFields, SamplingParams):
+    """The body a producer sends: prompt or messages, sampling fields, deadline and lane.
+
+    The deadline is either absolute (``deadline_ms``, unix ms) or relative (``timeout_s``);
+    with neither, the server's default timeout applies.
+    """
+
+    deadline_ms: int | None = Field(default=None, gt=0)
+    timeout_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
+    lane: Lane = "interactive"
+
+    @model_validator(mode="after")
+    def _one_deadline(self) -> JobRequest:
+        if self.deadline_ms is not None and self.timeout_s is not None:
+            raise _field_error("deadline_ms", "give at most one of 'deadline_ms' or 'timeout_s'")
+        return self
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(**self.model_dump(include=set(SamplingParams.model_fields)))
+
+    def to_job(self, *, default_timeout_s: float, job_id: str | None = None) -> Job:
+        created = now_ms()
+        if self.deadline_ms is not None:
+            deadline = self.deadline_ms
+        else:
+            deadline = created + int(1000 * (self.timeout_s or default_timeout_s))
+        return Job(
+            id=job_id or new_job_id(),
+            prompt=self.prompt,
+            messages=self.messages,
+            sampling=self.sampling(),
+            deadline_ms=deadline,
+            lane=self.lane,
+            created_ms=created,
+        )
+
+
+class Job(_PromptFields):
+    """A generation job as it travels through a lane stream."""
+
+    id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    deadline_ms: int
+    lane: Lane = "interactive"
+    created_ms: int
+
+
+# ---------------------------------------------------------------- events
+
+
+class _Event(_Strict):
+    id: int = Field(ge=1, description="per-job, monotonically increasing")
+    job_id: str
+
+
+class QueuedEvent(_Event):
+    type: Literal["queued"] = "queued"
+    lane: Lane
+
+
+class StartedEvent(_Event):
+    type: Literal["started"] = "started"
+    worker: str
+    prompt_tokens: int
+
+
+class TokenEvent(_Event):
+    type: Literal["token"] = "token"
+    index: int = Field(ge=0, description="position among generated tokens")
+    text: str = Field(description="text this token completes; may be empty mid-character")
+    token_ids: list[int]
+
+
+class Usage(_Strict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Timings(_Strict):
+    queue_ms: float = Field(description="created -> started")
+    ttft_ms: float = Field(description="created -> first token")
+    total_ms: float = Field(description="created -> done")
+    decode_tokens_per_s: float
+
+
+class DoneEvent(_Event):
+    type: Literal["done"] = "done"
+    finish_reason: FinishReason
+    text: str
+    usage: Usage
+    timings: Timings
+
+
+class ErrorEvent(_Event):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+
+
+class RejectedEvent(_Event):
+    type: Literal["rejected"] = "rejected"
+    reason: str
+    message: str = ""
+
+
+Event = Annotated[
+    QueuedEvent | StartedEvent | TokenEvent | DoneEvent | ErrorEvent | RejectedEvent,
+    Field(discriminator="type"),
+]
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+FINAL_EVENT_TYPES = frozenset({"done", "error", "rejected"})
+
+
+def parse_event(raw: str | bytes) -> Event:
+    return EVENT_ADAPTER.validate_json(raw)
+
+
+def is_final(event: dict | _Event) -> bool:
+    kind = event["type"] if isinstance(event, dict) else event.type  # type: ignore[attr-defined]
+    return kind in FINAL_EVENT_TYPES
+
+
+# ---------------------------------------------------------------- job status
+
+
+JobStatus = Literal["queued", "running", "done", "error", "rejected"]
+
+
+class JobResult(_Strict):
+    """What ``GET /v1/jobs/{id}`` returns and what ``Handle.result()`` gives."""
+
+    id: str
+    status: JobStatus
+    lane: Lane | None = None
+    created_ms: int | None = None
+    deadline_ms: int | None = None
+    text: str | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: dict[str, str] | None = None

@@ -1,0 +1,1 @@
+"""GPU/CPU workers: stream intake, the engine, models and loaders, token publishing."""

@@ -1,0 +1,95 @@
+"""Stream intake: the worker's side of the lane streams and their consumer group."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+from redis.exceptions import ResponseError
+
+from tidegate import keys
+from tidegate.jobstore import JOB_FIELD
+from tidegate.protocol import Job
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One lane-stream entry handed to this worker; ``job`` is None when it is malformed."""
+
+    stream: str
+    message_id: str
+    job: Job | None
+    job_id: str | None  # known even for a malformed job when its JSON carries a usable id
+    problem: str = ""
+
+
+def parse_entry(stream: str, message_id: str, fields: dict[str, str]) -> Delivery:
+    raw = fields.get(JOB_FIELD)
+    if raw is None:
+        return Delivery(stream, message_id, None, None, f"entry has no '{JOB_FIELD}' field")
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        return Delivery(stream, message_id, None, None, f"job is not JSON: {exc}")
+    job_id = data.get("id") if isinstance(data, dict) else None
+    if not (isinstance(job_id, str) and keys.is_valid_job_id(job_id)):
+        job_id = None
+    try:
+        return Delivery(stream, message_id, Job.model_validate(data), job_id)
+    except ValidationError as exc:
+        reasons = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'job'}: {e['msg']}" for e in exc.errors()
+        )
+        return Delivery(stream, message_id, None, job_id, f"invalid job: {reasons}")
+
+
+class StreamIntake:
+    def __init__(
+        self, redis: aioredis.Redis, consumer: str, *, partitions: int = 1,
+        lanes: tuple[str, ...] = keys.LANES,
+    ) -> None:
+        self.redis = redis
+        self.consumer = consumer
+        # Lanes in priority order; each lane may be split into partitions.
+        self.streams = [keys.lane_stream(lane, p) for lane in lanes for p in range(partitions)]
+
+    async def ensure_groups(self) -> None:
+        for stream in self.streams:
+            try:
+                await self.redis.xgroup_create(stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def read(self, count: int, *, block_ms: int) -> list[Delivery]:
+        """Up to ``count`` new jobs, higher-priority streams first; block only if none."""
+        got: list[Delivery] = []
+        for stream in self.streams:
+            if len(got) >= count:
+                break
+            got += await self._read({stream: ">"}, count - len(got), None)
+        if not got and block_ms > 0:
+            got = await self._read({s: ">" for s in self.streams}, 1, block_ms)
+        return got
+
+    async def _read(
+        self, streams: dict[str, str], count: int, block_ms: int | None
+    ) -> list[Delivery]:
+        reply = await self.redis.xreadgroup(
+            keys.CONSUMER_GROUP, self.consumer, streams, count=count, block=block_ms
+        )
+        return [
+            parse_entry(stream, message_id, fields)
+            for stream, entries in (reply or [])
+            for message_id, fields in entries
+        ]
+
+    async def ack(self, deliveries: list[Delivery]) -> None:
+        if not deliveries:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for d in deliveries:
+            pipe.xack(d.stream, keys.CONSUMER_GROUP, d.message_id)
+        await pipe.execute()

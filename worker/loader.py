@@ -1,0 +1,85 @@
+"""Turn a model spec into a ready ``LlamaModel`` with its config and tokenizer.
+
+The format-specific readers live beside this file (``loader_gguf``, ``loader_hf``,
+``loader_random``); each yields a ``LlamaConfig`` and, for real weights, a lazy mapping of
+HF-named tensors, so a checkpoint is copied into the model one tensor at a time and never held
+twice in memory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels.rotary import cos_sin_cache
+from tidegate.model_source import ModelLoadError, ModelSource, resolve_model
+from tidegate.tokenizer import Tokenizer, load_tokenizer
+from worker.loader_gguf import GGUFWeights
+from worker.loader_hf import SafetensorsWeights
+from worker.loader_random import init_random_weights, preset_llama_config
+from worker.models.llama import LlamaConfig, LlamaModel
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel  # in eval mode, on the requested device and dtype
+    config: LlamaConfig
+    tokenizer: Tokenizer
+    source: ModelSource
+    load_s: float  # wall time of load_model, tokenizer included
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """float32 on the CPU (bfloat16 matmuls there are slow), bfloat16 on accelerators."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def load_model(
+    spec_or_source: str | ModelSource,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    """Load a model by spec ("smollm2", a directory, a .gguf file, "random:<preset>").
+
+    ``seed`` only matters for random weights. Raises ``ModelLoadError`` naming what is wrong.
+    """
+    start = time.perf_counter()
+    source = (resolve_model(spec_or_source) if isinstance(spec_or_source, str)
+              else spec_or_source)
+    dtype = dtype or default_dtype(device)
+    tokenizer = load_tokenizer(source)
+    if source.kind == "random":
+        assert source.preset is not None
+        config = preset_llama_config(source.preset)
+        model = empty_model(config, device, dtype)
+        init_random_weights(model, seed)
+    else:
+        assert source.path is not None
+        weights = (GGUFWeights(source.path) if source.kind == "gguf"
+                   else SafetensorsWeights(source.path))
+        config = weights.config
+        model = empty_model(config, device, dtype)
+        try:
+            model.load_hf_state_dict(weights)
+        except (KeyError, ValueError) as exc:
+            raise ModelLoadError(f"{source.path}: {exc}") from exc
+    return LoadedModel(model, config, tokenizer, source, time.perf_counter() - start)
+
+
+def empty_model(config: LlamaConfig, device: str | torch.device, dtype: torch.dtype) -> LlamaModel:
+    """A model with uninitialised weights allocated once, in ``dtype`` on ``device``.
+
+    Built on the meta device first so an 8B model never exists as a float32 CPU copy; the rope
+    cache is then recomputed for real and kept in float32 (positions need the precision).
+    """
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.rope_cache = cos_sin_cache(
+        config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+    ).to(device)
+    return model.eval()

@@ -1,0 +1,186 @@
+"""A Llama-family decoder in plain torch: GQA, RoPE (Llama-3 scaling), RMSNorm, SwiGLU.
+
+The model works on a flat batch of tokens from many sequences ([T] ids and positions) and hands
+attention to a backend that owns the KV cache layout, so the same model serves the contiguous
+cache, the paged cache and a plain causal pass for tests. Weights arrive in Hugging Face's
+naming (``load_hf_state_dict``); q/k/v and gate/up are fused at load for fewer, larger matmuls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import ops
+from kernels.rotary import Llama3Scaling, cos_sin_cache
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10_000.0
+    rope_scaling: Llama3Scaling | None = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even for rotary embeddings")
+
+    def num_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+
+class AttentionBackend(Protocol):
+    """Stores this step's k/v and attends; owns the cache layout and the batch structure."""
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hk, D] (rotated) -> attention output [T, Hq, D]."""
+        ...
+
+
+class CausalAttention:
+    """One sequence, no cache: plain causal attention over the whole input (tests, scoring)."""
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_size = cfg.num_heads * d
+        self.kv_size = cfg.num_kv_heads * d
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.input_norm = nn.Parameter(torch.ones(h))
+        self.post_attn_norm = nn.Parameter(torch.ones(h))
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, H]
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,  # [T]
+        rope_cache: torch.Tensor,
+        attn: AttentionBackend,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        x, residual = ops.rms_norm(hidden, self.input_norm, cfg.rms_norm_eps, residual)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        q, k = ops.rotary(q, k, positions, rope_cache)
+        out = attn.attend(layer, q, k, v)  # [T, Hq, D]
+        hidden = self.o_proj(out.reshape(t, self.q_size))
+        x, residual = ops.rms_norm(hidden, self.post_attn_norm, cfg.rms_norm_eps, residual)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = (
+            None if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+        self.register_buffer(
+            "rope_cache",
+            cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                          cfg.rope_scaling),
+            persistent=False,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, H]."""
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, positions, self.rope_cache, attn, i)
+        hidden, _ = ops.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, V]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Load weights named as in HF ``LlamaForCausalLM``; raises naming any missing tensor."""
+        missing: list[str] = []
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                missing.append(name)
+                return torch.empty(0)
+            return tensors[name]
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if value.numel() == 0:
+                return
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"tensor {name}: shape {tuple(value.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            param.data.copy_(value)
+
+        with torch.no_grad():
+            put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
+            put(self.norm, take("model.norm.weight"), "model.norm.weight")
+            if self.lm_head is not None:
+                put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                parts = [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
+                if all(x.numel() for x in parts):
+                    put(layer.qkv_proj.weight, torch.cat(parts), p + "qkv")
+                put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "o_proj")
+                parts = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+                if all(x.numel() for x in parts):
+                    put(layer.gate_up_proj.weight, torch.cat(parts), p + "gate_up")
+                put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "down_proj")
+                put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm")
+                put(layer.post_attn_norm, take(p + "post_attention_layernorm.weight"),
+                    p + "post_attention_layernorm")
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise KeyError(f"{len(missing)} weight tensors missing: {shown}")
