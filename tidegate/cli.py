@@ -30,7 +30,8 @@ def _settings(args: argparse.Namespace):  # -> Settings
 
     from tidegate.settings import load_settings
 
-    fields = ("redis_url", "model", "device", "max_num_seqs", "host", "port", "log_level")
+    fields = ("redis_url", "model", "device", "dtype", "max_num_seqs", "max_num_batched_tokens",
+              "kv_cache_gb", "host", "port", "log_level")
     try:
         return load_settings(**{f: getattr(args, f, None) for f in fields})
     except ValidationError as exc:
@@ -144,6 +145,17 @@ def _add_common(p: argparse.ArgumentParser, *, model: bool = True, serve: bool =
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
 
 
+def _add_engine(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", help="cpu (default) or cuda")
+    p.add_argument("--dtype", help="auto (default: float32 on cpu, bfloat16 on cuda), float32, "
+                                   "bfloat16, float16")
+    p.add_argument("--max-num-seqs", type=int, help="requests batched at once (default 32)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="tokens per engine step: decodes plus prompt chunks (default 512)")
+    p.add_argument("--kv-cache-gb", type=float,
+                   help="KV cache size (default 2 GiB on cpu, 90%% of free memory on cuda)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tidegate", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tidegate {__version__}")
@@ -151,14 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="run Redis, a worker, the API and the gateway locally")
     _add_common(p)
-    p.add_argument("--device", help="cpu (default) or cuda")
-    p.add_argument("--max-num-seqs", type=int, help="requests the worker batches at once")
+    _add_engine(p)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("worker", help="pull jobs from Redis and generate")
     _add_common(p, serve=False)
-    p.add_argument("--device", help="cpu (default) or cuda")
-    p.add_argument("--max-num-seqs", type=int, help="requests batched at once")
+    _add_engine(p)
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("api", help="serve the HTTP API")

@@ -21,6 +21,8 @@ FinishReason = Literal["stop", "length", "cancelled", "deadline", "error"]
 # A request may ask for at most this many new tokens; the model's context is checked separately.
 MAX_TOKENS_LIMIT = 32_768
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
 MAX_PROMPT_CHARS = 1_000_000
 
 
@@ -50,19 +52,61 @@ class ChatMessage(_Strict):
 
 
 class SamplingParams(_Strict):
-    """How to pick tokens. ``temperature == 0`` is greedy decoding (the default)."""
+    """How to pick tokens and when to stop. ``temperature == 0`` is greedy decoding (the default).
+
+    The filters follow Hugging Face's order (temperature, top-k, top-p, min-p); the repetition
+    penalty has Hugging Face's semantics over prompt and generated tokens, the presence and
+    frequency penalties OpenAI's over generated tokens only. Greedy decoding applies the
+    penalties too.
+    """
 
     max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="0 disables top-k")
+    min_p: float = Field(
+        default=0.0, ge=0.0, le=1.0,
+        description="keep only tokens with p >= min_p * p(most likely token); 0 disables",
+    )
+    repetition_penalty: float = Field(
+        default=1.0, gt=0.0, le=10.0,
+        description="tokens already in prompt or output: positive logits divided by it, "
+        "negative ones multiplied; 1 disables",
+    )
+    presence_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0,
+        description="subtracted once from the logit of every token already generated",
+    )
+    frequency_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0,
+        description="subtracted from a token's logit once per time it was generated",
+    )
+    logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS,
+        description="return the chosen token's logprob and this many most likely alternatives",
+    )
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[Annotated[int, Field(ge=0, strict=True)]] = Field(
+        default_factory=list, max_length=MAX_STOP_TOKEN_IDS,
+        description="generating any of these ends the job (finish_reason 'stop')",
+    )
+    ignore_eos: bool = Field(
+        default=False, description="keep going past end-of-sequence tokens (for benchmarks)"
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_as_list(cls, v: object) -> object:
         return [v] if isinstance(v, str) else v
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_is_a_count(cls, v: object) -> object:
+        # OpenAI's chat API sends ``logprobs: true``; silently reading it as 1 would mislead.
+        if isinstance(v, bool):
+            raise ValueError("logprobs is how many alternatives to return (0 to 20), not a boolean")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -155,11 +199,22 @@ class StartedEvent(_Event):
     prompt_tokens: int
 
 
+class TopLogprob(_Strict):
+    token_id: int
+    logprob: float
+
+
 class TokenEvent(_Event):
     type: Literal["token"] = "token"
     index: int = Field(ge=0, description="position among generated tokens")
     text: str = Field(description="text this token completes; may be empty mid-character")
     token_ids: list[int]
+    logprob: float | None = Field(
+        default=None, description="the chosen token's logprob, when the job asked for logprobs"
+    )
+    top_logprobs: list[TopLogprob] | None = Field(
+        default=None, description="the most likely tokens at this step, best first"
+    )
 
 
 class Usage(_Strict):

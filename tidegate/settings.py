@@ -11,12 +11,19 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TIDEGATE_", extra="ignore")
 
-    # REDIS_URL (unprefixed, the common convention) also works; see `redis_url_from_env`.
+    # REDIS_URL (unprefixed, the common convention) also works; see `load_settings`.
     redis_url: str = DEFAULT_REDIS_URL
     model: str = Field(default="smollm2", description="smollm2 | HF dir | .gguf | random:<preset>")
     device: str = "cpu"
-    dtype: str = Field(default="auto", description="auto: float32 on CPU, bfloat16 on CUDA")
+    dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16|float16)$",
+                       description="auto: float32 on CPU, bfloat16 on CUDA")
     max_num_seqs: int = Field(default=32, ge=1)
+    max_num_batched_tokens: int = Field(default=512, ge=1)
+    block_size: int = Field(default=16, ge=1, le=256)
+    kv_cache_gb: float | None = Field(default=None, gt=0,
+                                      description="None: 2 GiB on CPU, a fraction on CUDA")
+    kv_cache_memory_fraction: float = Field(default=0.9, gt=0, le=1)
+    prefix_caching: bool = True
     default_timeout_s: float = Field(default=300.0, gt=0)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, lt=65536)

@@ -1,40 +1,56 @@
 """The continuous-batching engine: ``add_request``, ``abort``, ``step() -> outputs``.
 
-Requests join at step boundaries and leave the moment they finish; every step runs the new
-requests' prompts and every running request's next token through one forward pass, so no
-request waits for another to finish.
+Requests join at step boundaries and leave the moment they finish. Each step the scheduler picks
+running decodes and prompt chunks under a token budget, the model runner computes them in one
+forward pass over the paged KV cache, and the engine turns sampled tokens into outputs: text
+released incrementally, stopped by EOS, stop token ids, stop strings or max_tokens.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import secrets
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from tidegate.protocol import FinishReason, SamplingParams
 from tidegate.tokenizer import Tokenizer
+from worker.block_manager import BlockManager
 from worker.detokenizer import IncrementalDetokenizer
+from worker.kv_cache import KVCacheSpec, plan_kv_cache
 from worker.model_runner import ModelRunner
 from worker.models.llama import LlamaModel
+from worker.sampler import TokenLogprobs
+from worker.scheduler import Scheduler, SchedulerConfig
 from worker.sequence import SeqStatus, Sequence
+
+log = logging.getLogger("tidegate.engine")
 
 
 class RequestError(ValueError):
-    """A request the engine can never run (empty or too long for the model)."""
+    """A request the engine can never run (empty, or too long for the context or the cache)."""
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     max_model_len: int
     max_num_seqs: int = 32
-    # Prompt tokens admitted per step; a longer prompt still runs, alone in its step.
-    max_num_batched_tokens: int = 2048
+    # Tokens per step: every running decode plus prompt chunks up to this many.
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_gb: float | None = None  # None: 2 GiB on CPU, a fraction of free memory on CUDA
+    kv_cache_memory_fraction: float | None = None
+    num_blocks: int | None = None  # overrides the budgets above (tests, benchmarks)
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.block_size < 1:
+            raise ValueError("block_size must be positive")
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)  # validates both
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +58,9 @@ class EngineRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    lane: str = "interactive"
+    priority: int = 0
+    deadline_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,113 +75,155 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     output_text: str  # all text released so far (the result, once finished)
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    prompt_tokens_computed: int = 0  # prompt (and recomputed) tokens run through the model
+    decode_tokens: int = 0
+    preemptions: int = 0
+
+
+@dataclass(slots=True)
+class _Sampled:
+    token: int
+    logprobs: TokenLogprobs | None = field(default=None)
 
 
 class Engine:
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
         self.tokenizer = tokenizer
         self.config = config
-        self.runner = ModelRunner(model)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        param = next(model.parameters())
+        self.kv_spec: KVCacheSpec = plan_kv_cache(
+            model.cfg, param.dtype, param.device, block_size=config.block_size,
+            kv_cache_gb=config.kv_cache_gb, memory_fraction=config.kv_cache_memory_fraction,
+            num_blocks=config.num_blocks,
+        )
+        log.info("%s", self.kv_spec.describe())
+        self.blocks = BlockManager(self.kv_spec.num_blocks, config.block_size,
+                                   prefix_caching=config.prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks)
+        self.runner = ModelRunner(model, self.kv_spec)
+        self.stats = EngineStats()
+        self._seqs: dict[str, Sequence] = {}
         self._aborted: set[str] = set()
-        self.num_steps = 0
+        self._arrivals = itertools.count()
 
     # ------------------------------------------------------------------ interface
 
     def add_request(self, request: EngineRequest) -> None:
-        n = len(request.prompt_ids)
-        if n == 0:
-            raise RequestError("prompt is empty")
-        if n + 1 > self.config.max_model_len:
-            raise RequestError(
-                f"prompt has {n} tokens; the model's context is {self.config.max_model_len}")
+        self.check_request(request)
         params = request.params
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self.waiting.append(Sequence(
+        self._seqs[request.request_id] = seq = Sequence(
             request_id=request.request_id,
             prompt_ids=list(request.prompt_ids),
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
-            seed=seed,
-        ))
+            seed=params.seed if params.seed is not None else secrets.randbits(63),
+            arrival=next(self._arrivals),
+            lane=request.lane,
+            priority=request.priority,
+            deadline_ms=request.deadline_ms,
+        )
+        self.scheduler.add(seq)
+
+    def check_request(self, request: EngineRequest) -> None:
+        """Raise ``RequestError`` for a request that could never run here."""
+        n, max_tokens = len(request.prompt_ids), request.params.max_tokens
+        if n == 0:
+            raise RequestError("prompt is empty")
+        if request.request_id in self._seqs:
+            raise RequestError(f"request {request.request_id} is already running")
+        limit = self.config.max_model_len
+        if n + 1 > limit:
+            raise RequestError(f"prompt has {n} tokens; the model's context is {limit}")
+        if n + max_tokens > limit:
+            raise RequestError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the "
+                               f"model's context of {limit} tokens")
+        if n + max_tokens > self.kv_spec.num_tokens:
+            raise RequestError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) can never fit in this "
+                f"worker's KV cache of {self.kv_spec.num_tokens} tokens")
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the next step boundary; it finishes with ``cancelled``."""
-        self._aborted.add(request_id)
+        if request_id in self._seqs:
+            self._aborted.add(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._aborted)
+        return bool(self._seqs)
 
     @property
     def num_active(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self._seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     def step(self) -> list[RequestOutput]:
-        outputs = self._apply_aborts()
-        batch = self._schedule()
-        if batch:
-            tokens = self.runner.run(batch)
-            self.num_steps += 1
-            outputs.extend(self._advance(seq, tok) for seq, tok in zip(batch, tokens, strict=True))
-            self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
+        aborted = sorted((self._seqs[r] for r in self._aborted if r in self._seqs),
+                         key=lambda s: s.arrival)
+        outputs = [self._finish(seq, "cancelled", None, "") for seq in aborted]
+        self._aborted.clear()
+        sched = self.scheduler.schedule()
+        self.stats.preemptions += len(sched.preempted)
+        if not sched.chunks:
+            return outputs
+        tables = [self.blocks.block_table(c.seq.request_id) for c in sched.chunks]
+        with torch.inference_mode():
+            sampled = self.runner.run(sched, tables)
+        self.scheduler.commit(sched)
+        self.stats.steps += 1
+        self.stats.decode_tokens += sched.num_decodes
+        self.stats.prompt_tokens_computed += sched.num_batched_tokens - sched.num_decodes
+        sampling = [c.seq for c in sched.chunks if c.samples]
+        for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
+            outputs.append(self._advance(seq, _Sampled(token, lp)))
         return outputs
 
-    # ------------------------------------------------------------------ steps
+    # ------------------------------------------------------------------ per token
 
-    def _apply_aborts(self) -> list[RequestOutput]:
-        if not self._aborted:
-            return []
-        outputs: list[RequestOutput] = []
-        for queue in (self.waiting, self.running):
-            for seq in [s for s in queue if s.request_id in self._aborted]:
-                queue.remove(seq)
-                self._finish(seq, "cancelled")
-                outputs.append(self._output(seq, None, ""))
-        self._aborted.clear()  # ids not found were already finished: nothing to do
-        return outputs
-
-    def _schedule(self) -> list[Sequence]:
-        """Every running request decodes; waiting ones join while seats and budget last."""
-        budget = self.config.max_num_batched_tokens
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            cost = self.waiting[0].num_tokens
-            if cost > budget and budget < self.config.max_num_batched_tokens:
-                break  # over budget; a prompt longer than the whole budget still runs alone
-            budget -= cost
-            seq = self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-        return list(self.running)
-
-    def _advance(self, seq: Sequence, token: int) -> RequestOutput:
-        seq.num_computed = seq.num_tokens
+    def _advance(self, seq: Sequence, sampled: _Sampled) -> RequestOutput:
+        token, params = sampled.token, seq.params
         seq.output_ids.append(token)
-        params = seq.params
-        if token in self.tokenizer.eos_token_ids:
-            self._finish(seq, "stop")
-            return self._output(seq, token, seq.detokenizer.flush())
+        is_eos = token in self.tokenizer.eos_token_ids and not params.ignore_eos
+        if is_eos or token in params.stop_token_ids:
+            return self._finish(seq, "stop", sampled, seq.detokenizer.flush())
         text = seq.detokenizer.push(token)
         if seq.detokenizer.stopped:
-            self._finish(seq, "stop")
-        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            self._finish(seq, "length")
-            text += seq.detokenizer.flush()
-        return self._output(seq, token, text)
+            return self._finish(seq, "stop", sampled, text)
+        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return self._finish(seq, "length", sampled, text + seq.detokenizer.flush())
+        return self._output(seq, sampled, text)
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        seq.status = SeqStatus.FINISHED
+    def _finish(
+        self, seq: Sequence, reason: FinishReason, sampled: _Sampled | None, text: str
+    ) -> RequestOutput:
         seq.finish_reason = reason
+        self.scheduler.remove(seq)
         self.runner.free(seq.request_id)
+        del self._seqs[seq.request_id]
+        return self._output(seq, sampled, text)
 
-    def _output(self, seq: Sequence, token: int | None, text: str) -> RequestOutput:
+    def _output(self, seq: Sequence, sampled: _Sampled | None, text: str) -> RequestOutput:
+        n_out = len(seq.output_ids)
         return RequestOutput(
             request_id=seq.request_id,
-            token_id=token,
-            index=len(seq.output_ids) - 1 if token is not None else len(seq.output_ids),
+            token_id=sampled.token if sampled else None,
+            index=n_out - 1 if sampled else n_out,
             text=text,
-            finish_reason=seq.finish_reason,
+            finish_reason=seq.finish_reason if seq.status is SeqStatus.FINISHED else None,
             num_prompt_tokens=len(seq.prompt_ids),
-            num_output_tokens=len(seq.output_ids),
+            num_output_tokens=n_out,
             output_text=seq.detokenizer.text,
+            logprobs=sampled.logprobs if sampled else None,
         )

@@ -1,8 +1,7 @@
-"""A contiguous per-sequence KV cache and the attention backend that reads it.
+"""The paged KV cache's memory: sizing it from a budget and allocating its one tensor.
 
-Each sequence owns one growable tensor per layer; a step's attention loops over the sequences
-in the batch (the matmuls around it stay batched). The paged cache replaces this layout behind
-the same ``AttentionBackend`` interface.
+Layout: ``[num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]``; the
+block manager decides which blocks each request owns, the kernels read and write them.
 """
 
 from __future__ import annotations
@@ -10,75 +9,64 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from worker.models.llama import LlamaConfig
 
-class ContiguousKVCache:
-    def __init__(
-        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        self.shape = (num_layers, 2, num_kv_heads)
-        self.head_dim = head_dim
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self._kv: dict[str, torch.Tensor] = {}  # id -> [L, 2, Hk, capacity, D]
-
-    def reserve(self, seq_id: str, length: int) -> None:
-        """Make room for ``length`` tokens, doubling so appends are amortised O(1)."""
-        kv = self._kv.get(seq_id)
-        capacity = 0 if kv is None else kv.shape[3]
-        if length <= capacity:
-            return
-        new_cap = max(length, 2 * capacity, 64)
-        grown = torch.empty(*self.shape, new_cap, self.head_dim, dtype=self.dtype,
-                            device=self.device)
-        if kv is not None:
-            grown[:, :, :, :capacity] = kv
-        self._kv[seq_id] = grown
-
-    def free(self, seq_id: str) -> None:
-        self._kv.pop(seq_id, None)
-
-    def layer(self, seq_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self._kv[seq_id][layer]
-        return kv[0], kv[1]  # each [Hk, capacity, D]
-
-    def __len__(self) -> int:
-        return len(self._kv)
+GIB = 1 << 30
+DEFAULT_CPU_KV_GB = 2.0
+DEFAULT_CUDA_FRACTION = 0.9
 
 
 @dataclass(frozen=True, slots=True)
-class SeqSlice:
-    seq_id: str
-    start: int  # position of the slice's first token = tokens already cached
-    length: int  # tokens of this sequence in the step
-    offset: int  # where they sit in the flat batch
+class KVCacheSpec:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def gib(self) -> float:
+        return self.num_blocks * self.bytes_per_block / GIB
+
+    def describe(self) -> str:
+        return (f"KV cache: {self.gib:.2f} GiB = {self.num_blocks} blocks x {self.block_size} "
+                f"tokens = {self.num_tokens} tokens")
 
 
-class ContiguousAttention:
-    """Attention for one step over a ``ContiguousKVCache``: stores k/v, then attends."""
+def bytes_per_block(cfg: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
-    def __init__(self, cache: ContiguousKVCache, slices: list[SeqSlice]) -> None:
-        self.cache = cache
-        self.slices = slices
 
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        out = torch.empty_like(q)
-        for s in self.slices:
-            end = s.start + s.length
-            rows = slice(s.offset, s.offset + s.length)
-            k_cache, v_cache = self.cache.layer(s.seq_id, layer)
-            k_cache[:, s.start : end] = k[rows].transpose(0, 1)
-            v_cache[:, s.start : end] = v[rows].transpose(0, 1)
-            mask = None
-            if s.length > 1:  # query i sees every cached key and new keys up to itself
-                mask = torch.ones(s.length, end, dtype=torch.bool, device=q.device).tril(s.start)
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1), k_cache[:, :end], v_cache[:, :end],
-                attn_mask=mask, enable_gqa=True,
-            )
-            out[rows] = o.transpose(0, 1)
-        return out
+def plan_kv_cache(
+    cfg: LlamaConfig, dtype: torch.dtype, device: torch.device, *, block_size: int = 16,
+    kv_cache_gb: float | None = None, memory_fraction: float | None = None,
+    num_blocks: int | None = None,
+) -> KVCacheSpec:
+    """How many blocks to allocate: explicit, or a GiB budget, or a fraction of free memory.
+
+    Defaults: 2 GiB on the CPU; on CUDA, ``memory_fraction`` (0.9) of the memory free now
+    (after the weights are loaded).
+    """
+    per_block = bytes_per_block(cfg, block_size, dtype)
+    if num_blocks is None:
+        if kv_cache_gb is None and device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            budget = free * (memory_fraction or DEFAULT_CUDA_FRACTION)
+        else:
+            budget = (kv_cache_gb if kv_cache_gb is not None else DEFAULT_CPU_KV_GB) * GIB
+        num_blocks = int(budget // per_block)
+    if num_blocks < 1:
+        raise ValueError(f"the KV cache budget holds no block of {per_block} bytes")
+    return KVCacheSpec(num_blocks, block_size, per_block)
+
+
+def allocate_kv_cache(
+    cfg: LlamaConfig, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    # Zeroed rather than empty: padding lanes in batched kernels may read unused slots.
+    return torch.zeros(cfg.num_layers, 2, spec.num_blocks, spec.block_size, cfg.num_kv_heads,
+                       cfg.head_dim, dtype=dtype, device=device)

@@ -1,64 +1,93 @@
-"""Turns the sequences of one step into flat tensors, runs the model and samples.
+"""Turns the scheduler's step into flat tensors, runs the model over the paged cache, samples.
 
-Each scheduled sequence contributes the tokens not yet in its cache (the whole prompt when it
-joins, one token per decode step afterwards); all of them go through one forward pass.
+The step's tokens from every scheduled chunk go through one forward pass as a flat batch:
+token ids, positions, slot mapping (where each token's key and value are stored), block tables,
+context lengths and query start offsets. Attention, the KV store and the other operations go
+through ``kernels.ops``; only the chunks that reach their sequence's end are sampled.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from worker.kv_cache import ContiguousAttention, ContiguousKVCache, SeqSlice
+from kernels import ops
+from kernels.paged_attention import PagedAttentionMetadata
+from worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker.models.llama import LlamaModel
-from worker.sampler import Sampler, SamplingBatch
-from worker.sequence import Sequence
+from worker.sampler import Sampler, SamplerOutput
+from worker.scheduler import SchedulerOutput
+
+
+class PagedAttention:
+    """The model's attention backend for one step over the paged cache."""
+
+    def __init__(self, kv_cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float):
+        self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, Hk, D]
+        self.meta = meta
+        self.scale = scale
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        key_cache, value_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+        ops.store_kv(k, v, key_cache, value_cache, self.meta.slot_mapping)
+        return ops.paged_attention(q, key_cache, value_cache, self.meta, self.scale)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInput:
+    """One step's flat batch."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: PagedAttentionMetadata
+    sample_rows: torch.Tensor  # [S] int64: the flat row of each sampling chunk's last token
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: LlamaModel, spec: KVCacheSpec) -> None:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        cfg = model.cfg
-        self.cache = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                       self.dtype, self.device)
-        self.sampler = Sampler()
-        self._generators: dict[str, torch.Generator] = {}
+        self.block_size = spec.block_size
+        self.kv_cache = allocate_kv_cache(model.cfg, spec, self.dtype, self.device)
+        self.scale = model.cfg.head_dim ** -0.5
+        self.sampler = Sampler(self.device)
 
-    def run(self, seqs: list[Sequence]) -> list[int]:
-        """Compute every sequence's uncached tokens and sample each one's next token."""
+    def run(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> SamplerOutput:
+        """Compute every scheduled chunk; sample the next token of each sampling chunk."""
+        inp = self.prepare(sched, block_tables)
+        hidden = self.model(inp.input_ids, inp.positions,
+                            PagedAttention(self.kv_cache, inp.meta, self.scale))
+        logits = self.model.compute_logits(hidden[inp.sample_rows])
+        return self.sampler(logits, [c.seq for c in sched.chunks if c.samples])
+
+    def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelInput:
         ids: list[int] = []
         positions: list[int] = []
-        slices: list[SeqSlice] = []
-        for seq in seqs:
-            new = seq.all_ids()[seq.num_computed :]
-            slices.append(SeqSlice(seq.request_id, seq.num_computed, len(new), len(ids)))
-            ids.extend(new)
-            positions.extend(range(seq.num_computed, seq.num_tokens))
-            self.cache.reserve(seq.request_id, seq.num_tokens)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        hidden = self.model(as_tensor(ids), as_tensor(positions),
-                            ContiguousAttention(self.cache, slices))
-        last_rows = as_tensor([s.offset + s.length - 1 for s in slices])
-        logits = self.model.compute_logits(hidden[last_rows])
-        return self.sampler(logits, self._sampling_batch(seqs)).tolist()
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        bs = self.block_size
+        for chunk, table in zip(sched.chunks, block_tables, strict=True):
+            end = chunk.start + chunk.num_tokens
+            ids += chunk.seq.all_ids()[chunk.start : end]
+            span = range(chunk.start, end)
+            positions += span
+            slots += [table[p // bs] * bs + p % bs for p in span]
+            if chunk.samples:
+                sample_rows.append(len(ids) - 1)
+            seq_lens.append(end)
+            query_lens.append(chunk.num_tokens)
+        meta = PagedAttentionMetadata.build(
+            block_tables=block_tables, seq_lens=seq_lens, query_lens=query_lens,
+            slot_mapping=slots, device=self.device,
+        )
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        return ModelInput(as_long(ids), as_long(positions), meta, as_long(sample_rows))
 
     def free(self, request_id: str) -> None:
-        self.cache.free(request_id)
-        self._generators.pop(request_id, None)
-
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        params = [s.params for s in seqs]
-        return SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in params], device=self.device),
-            top_p=torch.tensor([p.top_p for p in params], device=self.device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=self.device),
-            generators=[self._generator(s) if s.params.temperature > 0 else None for s in seqs],
-        )
-
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        gen = self._generators.get(seq.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(seq.seed)
-            self._generators[seq.request_id] = gen
-        return gen
+        self.sampler.free(request_id)

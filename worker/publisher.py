@@ -22,6 +22,7 @@ from tidegate.protocol import (
     StartedEvent,
     Timings,
     TokenEvent,
+    TopLogprob,
     Usage,
     now_ms,
 )
@@ -80,7 +81,13 @@ class EventPublisher:
                 job.first_token_ms = job.first_token_ms or stamp
                 token = TokenEvent(id=job.take_id(), job_id=job.job.id, index=out.index,
                                    text=out.text, token_ids=[out.token_id])
-                add_event(pipe, job.job.id, token.model_dump_json(), ttl_s=self.ttl_s)
+                if out.logprobs is not None:
+                    token.logprob = out.logprobs.logprob
+                    token.top_logprobs = [TopLogprob(token_id=t, logprob=lp)
+                                          for t, lp in out.logprobs.top]
+                # Logprob fields appear only on jobs that asked for them.
+                add_event(pipe, job.job.id, token.model_dump_json(exclude_none=True),
+                          ttl_s=self.ttl_s)
             if out.finish_reason is not None:
                 self._finish(pipe, job, out, stamp)
                 finished.append(job)

@@ -1,12 +1,15 @@
-"""One request's state inside the engine: its tokens, progress, sampling and stop state."""
+"""One request's state inside the engine: its tokens, progress, priority, sampling and stop state."""
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from tidegate.protocol import FinishReason, SamplingParams
 from worker.detokenizer import IncrementalDetokenizer
+
+LANE_RANK = {"interactive": 0, "batch": 1}
 
 
 class SeqStatus(enum.Enum):
@@ -22,9 +25,15 @@ class Sequence:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     seed: int  # the request's own RNG stream: same seed, same tokens, whatever the batch
+    arrival: int  # engine-wide admission counter: ties break first come, first served
+    lane: str = "interactive"
+    priority: int = 0  # higher runs first within a lane
+    deadline_ms: int | None = None
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose keys and values are in the cache
+    num_cached_prompt: int = 0  # prompt tokens served by the prefix cache (last admission)
+    num_preemptions: int = 0
     finish_reason: FinishReason | None = None
 
     @property
@@ -32,8 +41,13 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def last_token(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def sort_key(self) -> tuple[int, int, float, int]:
+        """Scheduling order: lane, then priority, then earliest deadline, then arrival."""
+        deadline = math.inf if self.deadline_ms is None else self.deadline_ms
+        return (LANE_RANK.get(self.lane, len(LANE_RANK)), -self.priority, deadline, self.arrival)

@@ -14,13 +14,14 @@ import socket
 import uuid
 
 import redis.asyncio as aioredis
+import torch
 from redis.exceptions import RedisError
 
 from tidegate import keys
 from tidegate.redis_conn import connect
 from tidegate.settings import Settings
 from tidegate.tokenizer import Tokenizer
-from worker.engine import Engine, EngineConfig, EngineRequest, RequestError
+from worker.engine import Engine, EngineConfig, EngineRequest
 from worker.intake import Delivery, StreamIntake
 from worker.publisher import ActiveJob, EventPublisher
 
@@ -86,21 +87,14 @@ class WorkerService:
             return
         try:
             prompt_ids = self.tokenizer.encode_prompt(job.prompt, job.messages)
-            request = EngineRequest(job.id, prompt_ids, job.sampling)
-            self._check_fits(request)
-        except (RequestError, ValueError) as exc:
+            request = EngineRequest(job.id, prompt_ids, job.sampling, lane=job.lane,
+                                    deadline_ms=job.deadline_ms)
+            self.engine.check_request(request)
+        except ValueError as exc:  # RequestError, or a chat template refusing the messages
             await self.publisher.fail(delivery, code="invalid_request", message=str(exc))
             return
         self.active[job.id] = await self.publisher.start(job, delivery, len(prompt_ids))
         self.engine.add_request(request)
-
-    def _check_fits(self, request: EngineRequest) -> None:
-        n, limit = len(request.prompt_ids), self.engine.config.max_model_len
-        if n == 0:
-            raise RequestError("prompt is empty after tokenization")
-        if n + request.params.max_tokens > limit:
-            raise RequestError(f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens})"
-                               f" exceeds the model's context of {limit} tokens")
 
     async def _heartbeat(self) -> None:
         key = keys.worker_heartbeat(self.worker_id)
@@ -117,11 +111,21 @@ async def serve(settings: Settings) -> None:
     """Load the model, join the consumer group and run until SIGTERM/SIGINT."""
     from worker.loader import load_model
 
-    loaded = load_model(settings.model, device=settings.device)
-    log.info("loaded %s in %.1fs (%s)", loaded.source.name, loaded.load_s, settings.device)
+    dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
+    loaded = load_model(settings.model, device=settings.device, dtype=dtype)
+    log.info("loaded %s in %.1fs (%s, %s)", loaded.source.name, loaded.load_s, settings.device,
+             next(loaded.model.parameters()).dtype)
     max_len = min(loaded.tokenizer.max_context, loaded.config.max_position_embeddings)
-    engine = Engine(loaded.model, loaded.tokenizer,
-                    EngineConfig(max_model_len=max_len, max_num_seqs=settings.max_num_seqs))
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
+        max_model_len=max_len,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
+        block_size=settings.block_size,
+        kv_cache_gb=settings.kv_cache_gb,
+        kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
+        prefix_caching=settings.prefix_caching,
+    ))
+    print(f"tidegate worker: {engine.kv_spec.describe()}", flush=True)
     redis = connect(settings.redis_url, blocking_ms=IDLE_BLOCK_MS)
     service = WorkerService(redis, engine, partitions=settings.lane_partitions,
                             ttl_s=settings.job_ttl_s)

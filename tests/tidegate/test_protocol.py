@@ -9,10 +9,13 @@ from pydantic import ValidationError
 
 from tidegate import keys
 from tidegate.protocol import (
+    MAX_STOP_TOKEN_IDS,
     MAX_TOKENS_LIMIT,
     Job,
     JobRequest,
+    SamplingParams,
     TokenEvent,
+    TopLogprob,
     is_final,
     parse_event,
 )
@@ -36,6 +39,20 @@ def test_job_request_defaults_and_deadline_from_timeout() -> None:
         ({"prompt": "hi", "top_p": 0}, "top_p"),
         ({"prompt": "hi", "lane": "vip"}, "lane"),
         ({"prompt": "hi", "stop": [""]}, "stop"),
+        ({"prompt": "hi", "min_p": -0.1}, "min_p"),
+        ({"prompt": "hi", "min_p": 1.5}, "min_p"),
+        ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "hi", "repetition_penalty": 10.5}, "repetition_penalty"),
+        ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "hi", "presence_penalty": -2.5}, "presence_penalty"),
+        ({"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
+        ({"prompt": "hi", "logprobs": -1}, "logprobs"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ({"prompt": "hi", "logprobs": True}, "logprobs"),
+        ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"prompt": "hi", "stop_token_ids": ["2"]}, "stop_token_ids"),
+        ({"prompt": "hi", "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, "stop_token_ids"),
+        ({"prompt": "hi", "ignore_eos": "maybe"}, "ignore_eos"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages"),
     ],
@@ -58,6 +75,40 @@ def test_prompt_and_deadline_shape_errors(body: dict) -> None:
 
 def test_stop_accepts_a_single_string() -> None:
     assert JobRequest(prompt="x", stop="\n").stop == ["\n"]
+
+
+def test_sampling_defaults_change_nothing() -> None:
+    params = SamplingParams()
+    assert (params.min_p, params.repetition_penalty, params.presence_penalty,
+            params.frequency_penalty) == (0.0, 1.0, 0.0, 0.0)
+    assert params.logprobs is None and params.stop_token_ids == [] and not params.ignore_eos
+
+
+def test_new_sampling_fields_reach_the_job() -> None:
+    fields = {"min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": -2,
+              "frequency_penalty": 2, "logprobs": 20, "stop_token_ids": [0, 2], "ignore_eos": True}
+    req = JobRequest(prompt="x", **fields)
+    assert req.sampling().model_dump(include=set(fields)) == fields
+    job = req.to_job(default_timeout_s=1)
+    assert Job.model_validate_json(job.model_dump_json()).sampling == req.sampling()
+    assert SamplingParams(logprobs=0).logprobs == 0
+
+
+def test_logprobs_true_is_rejected_with_a_reason() -> None:
+    with pytest.raises(ValidationError, match="not a boolean"):
+        SamplingParams.model_validate({"logprobs": True})
+
+
+def test_token_event_carries_optional_logprobs() -> None:
+    plain = TokenEvent(id=3, job_id="j", index=0, text="a", token_ids=[1])
+    assert plain.logprob is None and plain.top_logprobs is None
+    top = [{"token_id": 7, "logprob": -0.25}, {"token_id": 9, "logprob": -2.0}]
+    event = TokenEvent(id=4, job_id="j", index=1, text="b", token_ids=[7], logprob=-0.25,
+                       top_logprobs=top)
+    parsed = parse_event(event.model_dump_json())
+    assert parsed == event and parsed.top_logprobs[1] == TopLogprob(token_id=9, logprob=-2.0)
+    with pytest.raises(ValidationError):
+        TopLogprob.model_validate({"token_id": 1, "logprob": -1.0, "text": "x"})
 
 
 def test_job_round_trips_through_json() -> None:

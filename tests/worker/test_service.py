@@ -107,3 +107,15 @@ async def test_batch_lane_is_served_and_heartbeat_is_visible(
     assert (await collect(aredis, job_id))[-1]["type"] == "done"
     assert await aredis.exists(keys.worker_heartbeat("w-test"))
     assert await pending(aredis, "batch") == 0
+
+
+async def test_logprobs_reach_token_events_only_when_asked(
+    aredis: aioredis.Redis, worker: WorkerService
+) -> None:
+    with_lp = await submit(aredis, prompt="abc", max_tokens=3, logprobs=3)
+    without = await submit(aredis, prompt="abc", max_tokens=3)
+    tokens = [e for e in await collect(aredis, with_lp) if e["type"] == "token"]
+    assert tokens and all(len(t["top_logprobs"]) == 3 and t["logprob"] <= 0 for t in tokens)
+    assert all(t["top_logprobs"][0]["logprob"] >= t["top_logprobs"][1]["logprob"] for t in tokens)
+    plain = [e for e in await collect(aredis, without) if e["type"] == "token"]
+    assert plain and all("logprob" not in t and "top_logprobs" not in t for t in plain)

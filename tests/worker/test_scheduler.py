@@ -1,0 +1,175 @@
+"""Scheduler: token budget, chunked prefill, decode priority, lanes, deadlines, preemption."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import pytest
+
+from tidegate.protocol import SamplingParams
+from worker.block_manager import BlockManager
+from worker.detokenizer import IncrementalDetokenizer
+from worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from worker.sequence import SeqStatus, Sequence
+
+
+class ByteDecoder:
+    def decode(self, ids: Seq[int]) -> str:
+        return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+_arrivals = iter(range(10**9))
+
+
+def seq(rid: str, n_prompt: int, *, lane: str = "interactive", deadline: int | None = None,
+        priority: int = 0, start: int = 0) -> Sequence:
+    return Sequence(
+        request_id=rid, prompt_ids=list(range(start, start + n_prompt)),
+        params=SamplingParams(), detokenizer=IncrementalDetokenizer(ByteDecoder()), seed=0,
+        arrival=next(_arrivals), lane=lane, priority=priority, deadline_ms=deadline,
+    )
+
+
+def make(num_blocks: int = 100, block_size: int = 4, **cfg: int) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, block_size))
+
+
+def step(s: Scheduler, token: int = 7) -> SchedulerOutput:
+    """One engine step without a model: schedule, commit, append a token where one is sampled."""
+    out = s.schedule()
+    s.commit(out)
+    for c in out.chunks:
+        if c.samples:
+            c.seq.output_ids.append(token)
+    return out
+
+
+def shape(out: SchedulerOutput) -> list[tuple[str, int, int]]:
+    return [(c.seq.request_id, c.start, c.num_tokens) for c in out.chunks]
+
+
+def test_config_needs_room_for_every_decode() -> None:
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
+
+
+def test_long_prompt_is_chunked_and_samples_only_at_its_end() -> None:
+    s = make(max_num_seqs=4, max_num_batched_tokens=8)
+    a = seq("a", 20)
+    s.add(a)
+    outs = [step(s) for _ in range(4)]
+    assert [shape(o) for o in outs] == [[("a", 0, 8)], [("a", 8, 8)], [("a", 16, 4)], [("a", 20, 1)]]
+    assert [c.samples for o in outs for c in o.chunks] == [False, False, True, True]
+    assert a.output_ids == [7, 7] and a.num_computed == 21
+
+
+def test_decodes_go_first_and_a_long_prompt_fills_the_rest() -> None:
+    s = make(max_num_seqs=4, max_num_batched_tokens=8)
+    a, b = seq("a", 3), seq("b", 3)
+    s.add(a)
+    s.add(b)
+    step(s)  # both prefilled
+    s.add(seq("long", 30))
+    out = step(s)
+    assert shape(out) == [("a", 3, 1), ("b", 3, 1), ("long", 0, 6)]
+    assert out.num_decodes == 2 and out.num_batched_tokens == 8
+    out = step(s)
+    assert shape(out) == [("a", 4, 1), ("b", 4, 1), ("long", 6, 6)]
+
+
+def test_sequence_cap_holds_back_waiting_requests() -> None:
+    s = make(max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(3):
+        s.add(seq(f"r{i}", 4))
+    assert [c.seq.request_id for c in step(s).chunks] == ["r0", "r1"]
+    assert [x.request_id for x in s.waiting] == ["r2"]
+
+
+def test_waiting_order_is_lane_then_priority_then_deadline_then_arrival() -> None:
+    s = make(max_num_seqs=1, max_num_batched_tokens=64)
+    s.add(seq("batch-early", 2, lane="batch", deadline=1))
+    s.add(seq("late", 2, deadline=900))
+    s.add(seq("none", 2))
+    s.add(seq("soon", 2, deadline=100))
+    s.add(seq("soon-2nd", 2, deadline=100))
+    s.add(seq("vip", 2, deadline=5000, priority=5))
+    assert [x.request_id for x in s.waiting] == [
+        "vip", "soon", "soon-2nd", "late", "none", "batch-early"]
+
+
+def test_prefix_cache_hit_skips_computed_prompt_tokens() -> None:
+    s = make(max_num_seqs=4, max_num_batched_tokens=64)
+    system = list(range(100, 112))  # three blocks of 4
+    a = seq("a", 0)
+    a.prompt_ids = system + [1, 2]
+    s.add(a)
+    step(s)
+    b = seq("b", 0)
+    b.prompt_ids = system + [3]
+    s.add(b)
+    out = step(s)
+    assert ("b", 12, 1) in shape(out) and b.num_cached_prompt == 12
+    assert s.blocks.stats.hit_tokens == 12
+
+
+def test_out_of_blocks_preempts_the_latest_deadline_and_recomputes_it() -> None:
+    # 6 blocks of 4 tokens; two requests of 8-token prompts grow until they collide.
+    s = make(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    urgent, relaxed = seq("urgent", 8, deadline=100), seq("relaxed", 8, deadline=999, start=50)
+    s.add(relaxed)
+    s.add(urgent)
+    step(s)  # 4 blocks used
+    preempted_at = None
+    for i in range(12):
+        out = step(s)
+        if out.preempted:
+            preempted_at = i
+            break
+    assert preempted_at is not None
+    assert [v.request_id for v in out.preempted] == ["relaxed"]
+    assert relaxed.status is SeqStatus.WAITING and relaxed.num_computed == 0
+    assert relaxed.num_preemptions == 1 and s.num_preemptions == 1
+    assert [c.seq.request_id for c in out.chunks] == ["urgent"]  # nobody admitted that step
+    generated = list(relaxed.output_ids)
+    s.remove(urgent)  # urgent finishes; relaxed comes back and recomputes prompt + output
+    out = step(s)
+    # Its own freed blocks stayed in the prefix cache, so only the uncached tail is recomputed.
+    chunk = out.chunks[0]
+    assert chunk.seq is relaxed and chunk.start == 8 and chunk.start + chunk.num_tokens == 8 + len(generated)
+    assert relaxed.output_ids[: len(generated)] == generated
+
+
+def test_batch_lane_is_preempted_before_interactive() -> None:
+    s = make(num_blocks=4, block_size=2, max_num_seqs=4, max_num_batched_tokens=32)
+    inter, bulk = seq("inter", 3, deadline=10**12), seq("bulk", 3, lane="batch", deadline=1)
+    s.add(inter)
+    s.add(bulk)
+    step(s)
+    for _ in range(6):
+        out = step(s)
+        if out.preempted:
+            break
+    assert [v.request_id for v in out.preempted] == ["bulk"]
+
+
+def test_a_request_that_is_itself_last_preempts_itself() -> None:
+    s = make(num_blocks=3, block_size=2, max_num_seqs=4, max_num_batched_tokens=32)
+    first, second = seq("first", 2, deadline=1), seq("second", 2, deadline=2)
+    s.add(first)
+    s.add(second)
+    step(s)  # 2 blocks
+    step(s)  # each needs a second block: one fits, the other preempts
+    assert second.status is SeqStatus.WAITING and first.status is SeqStatus.RUNNING
+
+
+def test_remove_releases_blocks_for_running_and_waiting() -> None:
+    s = make(num_blocks=10, block_size=4, max_num_seqs=1, max_num_batched_tokens=16)
+    a, b = seq("a", 5), seq("b", 5)
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert s.blocks.num_free_blocks == 8
+    s.remove(a)
+    s.remove(b)
+    assert s.blocks.num_free_blocks == 10 and not s.has_work()
+    assert a.status is SeqStatus.FINISHED and b.status is SeqStatus.FINISHED

@@ -1,0 +1,151 @@
+"""The scheduler: which tokens of which requests run in the next step.
+
+Each step fills a token budget (``max_num_batched_tokens``) under a sequence cap
+(``max_num_seqs``). Running decodes are placed first, so a long prompt never stalls them; the
+rest of the budget goes to prompt chunks (chunked prefill: a long prompt is split across steps),
+first of running requests, then of waiting ones in order of lane (interactive first), priority,
+earliest deadline, arrival. When the cache runs out of blocks, the running request that comes
+last in that order is preempted: its blocks are freed and it is recomputed later, never failed.
+Plain Python: no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from worker.block_manager import BlockManager
+from worker.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be at least max_num_seqs, "
+                             "so every running request can decode in every step")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # position of the chunk's first token (the sequence's num_computed)
+    num_tokens: int  # tokens computed this step
+    samples: bool  # the chunk reaches the sequence's last token, so a new token is sampled
+
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        start = seq.num_computed
+        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.samples
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What the model runner computes this step, decodes first, then prompt chunks."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for c in self.chunks if c.is_decode)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: list[Sequence] = []  # kept sorted by Sequence.sort_key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a request out (finished or aborted), releasing its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free(seq.request_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self.running.sort(key=Sequence.sort_key)
+        decodes = [s for s in self.running if s.num_uncomputed == 1]
+        prefills = [s for s in self.running if s.num_uncomputed > 1]
+        for seq in decodes + prefills:
+            # A preempted victim's chunk leaves the batch, so the budget is recounted each time.
+            budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+            if seq.status is not SeqStatus.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop, or no budget left
+            n = min(seq.num_uncomputed, budget)
+            if self._make_room(seq, seq.num_computed + n, out):
+                self.blocks.append_slot(seq.request_id, seq.num_computed + n)
+                out.chunks.append(ScheduledChunk.of(seq, n))
+        if not out.preempted:  # under memory pressure, let running requests finish first
+            self._admit_waiting(self.config.max_num_batched_tokens - out.num_batched_tokens, out)
+        return out
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Record that the runner computed the scheduled chunks (before new tokens append)."""
+        for chunk in out.chunks:
+            seq = chunk.seq
+            seq.num_computed = chunk.start + chunk.num_tokens
+            self.blocks.commit(seq.request_id, seq.all_ids(), seq.num_computed)
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            ids = seq.all_ids()  # a preempted request recomputes its generated tokens too
+            cached = len(self.blocks.cached_prefix(ids)) * self.blocks.block_size
+            n = min(len(ids) - cached, budget)
+            if not self.blocks.can_allocate(ids, cached + n):
+                break
+            self.waiting.pop(0)
+            seq.num_computed = self.blocks.allocate(seq.request_id, ids, cached + n)
+            seq.num_cached_prompt = seq.num_computed
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk.of(seq, n))
+            budget -= n
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Preempt from the back of the order until ``seq`` fits; False if it went itself."""
+        while not self.blocks.can_append(seq.request_id, num_tokens):
+            victim = max(self.running, key=Sequence.sort_key)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
+        scheduled = [c for c in out.chunks if c.seq is victim]
+        for chunk in scheduled:
+            out.chunks.remove(chunk)
+        self.running.remove(victim)
+        self.blocks.free(victim.request_id)
+        victim.num_computed = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(victim)
+        out.preempted.append(victim)
