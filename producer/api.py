@@ -1,4 +1,5 @@
-"""The HTTP API producers submit jobs to: validate, admit, enqueue, answer where to stream.
+"""The HTTP API producers submit jobs to: authenticate, validate, admit, enqueue, answer where
+to stream; read a job back; cancel it.
 
 Nothing reaches Redis until a request has passed validation and admission, and every error is
 one JSON shape naming the fields at fault (``producer.errors.error_body``). ``ProducerAPI``
@@ -7,8 +8,9 @@ holds the routes and what they share, so ``tidegate up`` can mount them beside t
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,11 +24,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from producer import idempotency
 from producer.admission import Admission, AdmissionError
+from producer.backlog import LaneBacklog, LaneFull
 from producer.errors import FieldError, error_body, field_errors
-from tidegate import keys
-from tidegate.jobstore import enqueue, read_result
-from tidegate.protocol import JobRequest
+from producer.idempotency import Claim, ClaimInProgress
+from tidegate.auth import Auth, AuthError, job_access, new_stream_token, token_hash
+from tidegate.jobstore import enqueue, read_result, request_cancel
+from tidegate.protocol import Job, JobRequest
 from tidegate.redis_conn import connect
 from tidegate.settings import Settings
 
@@ -37,32 +42,49 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 class Refusal(Exception):
     """An error response, raised anywhere in a handler and rendered in one place."""
 
-    def __init__(self, status: int, type: str, message: str, fields: list[FieldError] | None = None):
+    def __init__(self, status: int, type: str, message: str, fields: list[FieldError] | None = None,
+                 *, headers: Mapping[str, str] | None = None,
+                 extra: Mapping[str, object] | None = None):
         super().__init__(message)
         self.status, self.type, self.message, self.fields = status, type, message, fields
+        self.headers = headers
+        self.extra = extra or {}  # keys some errors add to the body, e.g. a job's ``status``
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.type, self.message, self.fields), self.status)
+        body = error_body(self.type, self.message, self.fields, **self.extra)
+        return JSONResponse(body, self.status, headers=self.headers)
 
 
 class ProducerAPI:
-    """The producer API's routes and the Redis client and admission they share."""
+    """The producer API's routes and the Redis client, auth, admission and backlog they share."""
 
-    def __init__(self, settings: Settings, *, admission: Admission | None = None):
+    def __init__(self, settings: Settings, *, admission: Admission | None = None,
+                 auth: Auth | None = None):
         self.settings = settings
+        self.auth = auth if auth is not None else Auth.from_settings(settings)
         self._admission = admission  # None: loaded from settings.model by start()
+        self._backlog = LaneBacklog(max_backlog=settings.max_backlog,
+                                    partitions=settings.lane_partitions,
+                                    retry_after_s=settings.retry_after_s)
         self._redis: aioredis.Redis | None = None
         self.routes: list[BaseRoute] = [
             Route("/v1/jobs", self.submit, methods=["POST"]),
             Route("/v1/jobs/{job_id}", self.get_job, methods=["GET"]),
+            Route("/v1/jobs/{job_id}/cancel", self.cancel, methods=["POST"]),
             Route("/healthz", self.healthz, methods=["GET"]),
         ]
         # Routing errors (404 no route, 405) in the same JSON shape; pass to the app.
         self.exception_handlers: Mapping[Any, Any] = {
             HTTPException: _http_exception, Exception: _internal_error}
+        # --- OpenAI-compatible routes (producer/openai_api.py), sharing this API's auth,
+        # admission and enqueue. Imported here because that module imports this one.
+        from producer.openai_api import OpenAIRoutes
+
+        self.routes += OpenAIRoutes(self).routes
 
     async def start(self) -> None:
         """Load the tokenizer (if none was given) and open the Redis client."""
+        self.auth.start()
         if self._admission is None:
             self._admission = await anyio.to_thread.run_sync(
                 Admission.for_model, self.settings.model)
@@ -74,31 +96,98 @@ class ProducerAPI:
             self._redis = None
 
     async def submit(self, request: Request) -> Response:
-        """``POST /v1/jobs``: 202 with the job id and its stream URL."""
-        try:
-            job_request = _validated(await _read_json(request))
-            job_request = await self._admit(job_request)
-            job = job_request.to_job(default_timeout_s=self.settings.default_timeout_s)
-            await enqueue(self._connected(), job, ttl_s=self.settings.job_ttl_s)
-        except Refusal as refusal:
-            return refusal.response()
-        except RedisError as exc:
-            return _unavailable(exc).response()
-        body = {"id": job.id, "stream_url": self._stream_url(request, job.id), "status": "queued"}
-        return JSONResponse(body, 202, headers={"Location": f"/v1/jobs/{job.id}"})
+        """``POST /v1/jobs``: 202 with the job's id, stream URL and stream token (200 with the
+        same answer for a repeat of an earlier submit's ``Idempotency-Key``)."""
+        return await _answer(self._submit(request))
 
     async def get_job(self, request: Request) -> Response:
         """``GET /v1/jobs/{id}``: the job's status and, once finished, its result."""
-        job_id = request.path_params["job_id"]
-        if not keys.is_valid_job_id(job_id):
-            return _not_found(job_id).response()
+        return await _answer(self._get_job(request))
+
+    async def cancel(self, request: Request) -> Response:
+        """``POST /v1/jobs/{id}/cancel``: 202 ``cancelled`` (it was queued) or ``cancelling``
+        (its worker stops it within a step); 409 if it had already finished."""
+        return await _answer(self._cancel(request))
+
+    async def submit_job(self, job_request: JobRequest, *, tenant: str) -> Job:
+        """Admit a validated request, check its lane's backlog and enqueue its job for
+        ``tenant``: what every submit route does. Raises ``Refusal`` (admission), ``LaneFull``
+        or ``RedisError``."""
+        job = await self._admitted_job(job_request)
+        await self._enqueue(job, tenant=tenant)
+        return job
+
+    async def _submit(self, request: Request) -> Response:
+        tenant = self.auth.tenant(request.headers.get("authorization"))
+        body = _with_header_key(await _read_json(request), request.headers.get("idempotency-key"))
+        job_request = _validated(body)
+        key = job_request.idempotency_key
+        redis = self._connected()
+        if key is not None and (earlier := await idempotency.replay(redis, tenant, key)):
+            return self._accepted(request, earlier.claim, earlier.status, 200)
+        job = await self._admitted_job(job_request)
+        claim = Claim(job_id=job.id, stream_token=new_stream_token(), created_ms=job.created_ms)
+        if key is not None and not await idempotency.claim(redis, tenant, key, claim):
+            return await self._replay_twin(request, tenant, key)
         try:
-            result = await read_result(self._connected(), job_id)
-        except RedisError as exc:
-            return _unavailable(exc).response()
-        if result is None:
-            return _not_found(job_id).response()
+            await self._enqueue(job, tenant=tenant, stream_token=claim.stream_token)
+        except RedisError:
+            if key is not None:  # so that a retry with the same key can enqueue the job
+                with contextlib.suppress(RedisError):
+                    await idempotency.release(redis, tenant, key, claim)
+            raise
+        return self._accepted(request, claim, "queued", 202)
+
+    async def _admitted_job(self, job_request: JobRequest) -> Job:
+        """The job to enqueue, once admission and the lane's backlog allow it."""
+        job_request = await self._admit(job_request)
+        await self._backlog.check(self._connected(), job_request.lane)
+        return job_request.to_job(default_timeout_s=self.settings.default_timeout_s)
+
+    async def _enqueue(self, job: Job, *, tenant: str, stream_token: str | None = None) -> None:
+        hashed = token_hash(stream_token) if stream_token is not None else None
+        await enqueue(self._connected(), job, ttl_s=self.settings.job_ttl_s, owner=tenant,
+                      stream_token_hash=hashed)
+        self._backlog.note_enqueued(job.lane)
+
+    async def _replay_twin(self, request: Request, tenant: str, key: str) -> Response:
+        """The answer of the concurrent submit that claimed ``key`` first."""
+        twin = await idempotency.replay(self._connected(), tenant, key)
+        if twin is None:
+            raise ClaimInProgress("a submit with this idempotency key failed just now; retry")
+        return self._accepted(request, twin.claim, twin.status, 200)
+
+    async def _get_job(self, request: Request) -> Response:
+        job_id = await self._authorized_job(request)
+        result = await read_result(self._connected(), job_id)
+        if result is None:  # expired between the two reads
+            raise _not_found(job_id)
         return Response(result.model_dump_json(), media_type="application/json")
+
+    async def _cancel(self, request: Request) -> Response:
+        job_id = await self._authorized_job(request)
+        outcome = await request_cancel(self._connected(), job_id, ttl_s=self.settings.job_ttl_s)
+        if outcome in ("cancelled", "cancelling"):
+            return JSONResponse({"id": job_id, "status": outcome}, 202)
+        if outcome == "missing":
+            raise _not_found(job_id)
+        raise Refusal(409, "conflict", f"job {job_id!r} already finished ({outcome})",
+                      extra={"status": outcome})
+
+    async def _authorized_job(self, request: Request) -> str:
+        """The path's job id, once the caller is known (401) and owns the job (404, 403)."""
+        tenant = self.auth.tenant(request.headers.get("authorization"))
+        job_id = request.path_params["job_id"]
+        access = await job_access(self._connected(), job_id)
+        if access is None:
+            raise _not_found(job_id)
+        self.auth.check_owner(tenant, access)
+        return job_id
+
+    def _accepted(self, request: Request, claim: Claim, status: str, code: int) -> Response:
+        body = {"id": claim.job_id, "stream_url": self._stream_url(request, claim.job_id),
+                "status": status, "stream_token": claim.stream_token}
+        return JSONResponse(body, code, headers={"Location": f"/v1/jobs/{claim.job_id}"})
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -138,6 +227,23 @@ def create_app(settings: Settings, *, admission: Admission | None = None) -> Sta
                      exception_handlers=dict(api.exception_handlers))
 
 
+async def _answer(handling: Awaitable[Response]) -> Response:
+    """A handler's response, or the one JSON error shape for whatever refusal it raised."""
+    try:
+        return await handling
+    except Refusal as refusal:
+        return refusal.response()
+    except AuthError as exc:
+        return Refusal(exc.status, exc.type, str(exc), headers=exc.headers).response()
+    except LaneFull as exc:
+        return _queue_full(exc).response()
+    except ClaimInProgress as exc:
+        fields = [FieldError(field="idempotency_key", reason=str(exc))]
+        return Refusal(409, "conflict", str(exc), fields).response()
+    except RedisError as exc:
+        return _unavailable(exc).response()
+
+
 async def _read_json(request: Request) -> Any:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
@@ -159,6 +265,19 @@ async def _read_json(request: Request) -> Any:
         raise Refusal(400, "invalid_json", "the request body is not valid JSON", fields) from exc
 
 
+def _with_header_key(body: Any, header: str | None) -> Any:
+    """The body with the ``Idempotency-Key`` header as its ``idempotency_key`` (validated
+    with the body); 422 if the body names a different key."""
+    if header is None or not isinstance(body, dict):
+        return body
+    if body.get("idempotency_key", header) != header:
+        fields = [FieldError(field="idempotency_key",
+                             reason="differs from the Idempotency-Key header")]
+        raise Refusal(422, "invalid_request", "idempotency_key: differs from the "
+                      "Idempotency-Key header", fields)
+    return {**body, "idempotency_key": header}
+
+
 def _validated(body: Any) -> JobRequest:
     try:
         return JobRequest.model_validate(body)
@@ -174,6 +293,13 @@ def _too_large() -> Refusal:
 
 def _not_found(job_id: str) -> Refusal:
     return Refusal(404, "not_found", f"no job with id {job_id!r}")
+
+
+def _queue_full(exc: LaneFull) -> Refusal:
+    fields = [FieldError(field="lane", reason=f"{exc.backlog} jobs waiting, at most "
+                                              f"{exc.max_backlog}")]
+    return Refusal(429, "queue_full", str(exc), fields,
+                   headers={"Retry-After": str(exc.retry_after_s)}, extra={"lane": exc.lane})
 
 
 def _unavailable(exc: RedisError) -> Refusal:

@@ -2,7 +2,8 @@
 
 ``Client`` is async; ``SyncClient`` runs one on a private event-loop thread for scripts. Every
 failure is a ``producer.errors`` exception, and bad input raises ``InvalidRequest`` before any
-network call.
+network call. With an ``api_key`` every call carries ``Authorization: Bearer <key>``; a job's
+stream is opened with its stream token too.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, TypedDict, TypeVar, Unpack
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import httpx
 from pydantic import ValidationError
@@ -20,12 +21,15 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from producer.errors import (
+    Forbidden,
     InvalidRequest,
     JobNotFound,
     ServiceUnavailable,
     TidegateError,
+    Unauthorized,
     error_from_response,
 )
+from tidegate.auth import CLIENT_LOGGERS, redact_credentials
 from tidegate.protocol import ChatMessage, Event, JobRequest, JobResult, Lane, is_final, parse_event
 
 T = TypeVar("T")
@@ -51,6 +55,8 @@ class SubmitOptions(TypedDict, total=False):
     timeout_s: float  # the job's deadline, relative to now
     deadline_ms: int  # or an absolute one, unix ms
     lane: Lane
+    priority: int  # -100..100, higher runs first within a lane
+    idempotency_key: str  # a repeat with the same key returns the same job
 
 
 def build_request(prompt: str | None = None, **options: Unpack[SubmitOptions]) -> JobRequest:
@@ -65,10 +71,14 @@ def build_request(prompt: str | None = None, **options: Unpack[SubmitOptions]) -
 class Client:
     """Async client of one tidegate deployment; use as ``async with Client(url) as client``."""
 
-    def __init__(self, base_url: str = DEFAULT_BASE_URL, *, timeout_s: float = 30.0):
+    def __init__(self, base_url: str = DEFAULT_BASE_URL, *, api_key: str | None = None,
+                 timeout_s: float = 30.0):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s  # per HTTP request and per WebSocket handshake
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
+        self.auth_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s,
+                                       headers=self.auth_headers)
+        redact_credentials(*CLIENT_LOGGERS)  # websockets logs handshake headers at DEBUG
 
     async def __aenter__(self) -> Client:
         return self
@@ -84,18 +94,25 @@ class Client:
         request = build_request(prompt, **options)
         body = await self._call("POST", "/v1/jobs",
                                 json=request.model_dump(mode="json", exclude_unset=True))
-        return Handle(self, body["id"], body["stream_url"])
+        return Handle(self, body["id"], body["stream_url"], body.get("stream_token"))
 
     async def get(self, job_id: str) -> JobResult:
         """The job's current status and, once finished, its result; ``JobNotFound`` if none."""
         return JobResult.model_validate(await self._call("GET", f"/v1/jobs/{quote(job_id, safe='')}"))
 
-    def handle(self, job_id: str, stream_url: str | None = None) -> Handle:
+    async def cancel(self, job_id: str) -> str:
+        """Cancel a job: "cancelled" (it was still queued) or "cancelling" (its worker stops
+        it within a step). ``Conflict`` (with ``job_status``) if it had already finished."""
+        body = await self._call("POST", f"/v1/jobs/{quote(job_id, safe='')}/cancel")
+        return str(body["status"])
+
+    def handle(self, job_id: str, stream_url: str | None = None,
+               stream_token: str | None = None) -> Handle:
         """A handle on a job submitted earlier; the stream is assumed beside the API."""
         if stream_url is None:
             ws_base = "ws" + self.base_url.removeprefix("http")  # http: -> ws:, https: -> wss:
             stream_url = f"{ws_base}/v1/jobs/{quote(job_id, safe='')}/stream"
-        return Handle(self, job_id, stream_url)
+        return Handle(self, job_id, stream_url, stream_token)
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
@@ -114,9 +131,11 @@ class Client:
 class Handle:
     """One submitted job: its id, where its events stream, and its final result."""
 
-    def __init__(self, client: Client, job_id: str, stream_url: str):
+    def __init__(self, client: Client, job_id: str, stream_url: str,
+                 stream_token: str | None = None):
         self.id = job_id
         self.stream_url = stream_url
+        self.stream_token = stream_token  # lets anyone holding it watch this job's stream
         self._client = client
         self._saw_final = False  # events() reached the end: result() need not stream again
 
@@ -145,6 +164,10 @@ class Handle:
                 code = exc.rcvd.code if exc.rcvd else 1006
                 if code == 4404:
                     raise JobNotFound(f"no job with id {self.id!r}") from exc
+                if code in (4401, 4403):
+                    kind = Unauthorized if code == 4401 else Forbidden
+                    why = exc.rcvd.reason if exc.rcvd else ""
+                    raise kind(f"may not watch job {self.id!r}: {why}", status=code) from exc
                 if code not in RETRYABLE_CLOSE_CODES:
                     raise TidegateError(f"stream closed with {code}: {exc.rcvd}") from exc
                 reason = f"stream closed with {code}"
@@ -155,10 +178,18 @@ class Handle:
                 raise ServiceUnavailable(f"{reason} ({self.stream_url})")
             await asyncio.sleep(min(2.0, 0.05 * 2**failures))
 
+    async def cancel(self) -> str:
+        """Cancel the job: see ``Client.cancel``."""
+        return await self._client.cancel(self.id)
+
     async def _connection_events(self, after_id: int) -> AsyncIterator[Event]:
-        url = self.stream_url + (f"?last_event_id={after_id}" if after_id else "")
-        async with ws_connect(url, open_timeout=self._client.timeout_s,
-                              max_size=MAX_FRAME_BYTES) as ws:
+        query: dict[str, str | int] = {"last_event_id": after_id} if after_id else {}
+        headers = self._client.auth_headers
+        if self.stream_token is not None:  # enough on its own: the key need not travel
+            query["token"], headers = self.stream_token, {}
+        url = self.stream_url + (f"?{urlencode(query)}" if query else "")
+        async with ws_connect(url, open_timeout=self._client.timeout_s, max_size=MAX_FRAME_BYTES,
+                              additional_headers=headers) as ws:
             async for raw in ws:
                 try:
                     event = parse_event(raw)
@@ -194,12 +225,13 @@ class Handle:
 class SyncClient:
     """``Client`` for synchronous code: the same calls, run on a private event-loop thread."""
 
-    def __init__(self, base_url: str = DEFAULT_BASE_URL, *, timeout_s: float = 30.0):
+    def __init__(self, base_url: str = DEFAULT_BASE_URL, *, api_key: str | None = None,
+                 timeout_s: float = 30.0):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="tidegate-client")
         self._thread.start()
-        self._client = Client(base_url, timeout_s=timeout_s)
+        self._client = Client(base_url, api_key=api_key, timeout_s=timeout_s)
 
     def __enter__(self) -> SyncClient:
         return self
@@ -221,8 +253,12 @@ class SyncClient:
     def get(self, job_id: str) -> JobResult:
         return self._run(self._client.get(job_id))
 
-    def handle(self, job_id: str, stream_url: str | None = None) -> SyncHandle:
-        return SyncHandle(self, self._client.handle(job_id, stream_url))
+    def cancel(self, job_id: str) -> str:
+        return self._run(self._client.cancel(job_id))
+
+    def handle(self, job_id: str, stream_url: str | None = None,
+               stream_token: str | None = None) -> SyncHandle:
+        return SyncHandle(self, self._client.handle(job_id, stream_url, stream_token))
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -234,6 +270,7 @@ class SyncHandle:
     def __init__(self, client: SyncClient, handle: Handle):
         self.id = handle.id
         self.stream_url = handle.stream_url
+        self.stream_token = handle.stream_token
         self._client = client
         self._handle = handle
 
@@ -254,6 +291,9 @@ class SyncHandle:
 
     def result(self, timeout_s: float | None = None) -> JobResult:
         return self._client._run(self._handle.result(timeout_s))
+
+    def cancel(self) -> str:
+        return self._client._run(self._handle.cancel())
 
 
 async def _next(stream: AsyncIterator[T]) -> T:

@@ -64,6 +64,29 @@ class ServiceUnavailable(TidegateError):
     default_type = "service_unavailable"
 
 
+class Unauthorized(TidegateError):
+    """No API key, or one the service does not know (401, or WebSocket close 4401)."""
+
+    default_type = "unauthorized"
+
+
+class Forbidden(TidegateError):
+    """The job belongs to another tenant, or the stream token is not its own (403 / 4403)."""
+
+    default_type = "forbidden"
+
+
+class Conflict(TidegateError):
+    """The job cannot do that now (409): e.g. cancelling a job that already finished, whose
+    final status is ``job_status``."""
+
+    default_type = "conflict"
+
+    def __init__(self, message: str, *, job_status: str | None = None, **kw: Any):
+        super().__init__(message, **kw)
+        self.job_status = job_status
+
+
 class QueueFull(TidegateError):
     """The lane is at capacity (429); submit again after ``retry_after_s``."""
 
@@ -89,9 +112,10 @@ def field_errors(exc: ValidationError) -> list[FieldError]:
     return out
 
 
-def error_body(type: str, message: str, fields: list[FieldError] | None = None) -> dict:
-    """The one JSON shape of every API error."""
-    return {"error": {"type": type, "message": message, "fields": fields or []}}
+def error_body(type: str, message: str, fields: list[FieldError] | None = None,
+               **extra: object) -> dict:
+    """The one JSON shape of every API error (``extra``: keys some errors add, e.g. ``status``)."""
+    return {"error": {"type": type, "message": message, "fields": fields or [], **extra}}
 
 
 def error_from_response(status: int, body: Any, retry_after: str | None = None) -> TidegateError:
@@ -105,8 +129,16 @@ def error_from_response(status: int, body: Any, retry_after: str | None = None) 
         fields = [FieldError(field=str(f.get("field", "")), reason=str(f.get("reason", "")))
                   for f in err.get("fields") or [] if isinstance(f, dict)]
         return InvalidRequest(fields, message, type=kind, status=status)
+    if status == 401:
+        return Unauthorized(message, type=kind, status=status)
+    if status == 403:
+        return Forbidden(message, type=kind, status=status)
     if status == 404:
         return JobNotFound(message, type=kind, status=status)
+    if status == 409:
+        job_status = err.get("status")
+        return Conflict(message, job_status=job_status if isinstance(job_status, str) else None,
+                        type=kind, status=status)
     if status == 429:
         return QueueFull(message, retry_after_s=_seconds(retry_after), type=kind, status=status)
     if status in (502, 503, 504):

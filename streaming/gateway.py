@@ -3,7 +3,10 @@
 ``WS /v1/jobs/{id}/stream`` sends the job's events (those after ``?last_event_id=N``, if given)
 as text frames holding the exact JSON the worker wrote: first the stored ones, then live ones,
 with no gap and no duplicate (``tidegate.event_feed.follow``), and closes with 1000 after the
-final event. Close codes: 4404 unknown job, 4400 bad query, 1013 Redis unavailable.
+final event. A watcher shows the owner's ``Authorization: Bearer <key>`` or the job's
+``?token=<stream_token>`` (``tidegate.auth``). Close codes: 4401 no or unknown credentials,
+4403 another tenant's key or a wrong token, 4404 unknown job, 4400 bad query, 1013 Redis
+unavailable.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from tidegate import keys
+from tidegate.auth import Auth, AuthError, job_access
 from tidegate.event_feed import follow
 from tidegate.redis_conn import connect
 from tidegate.settings import Settings
@@ -33,10 +36,11 @@ CLOSE_UNKNOWN_JOB = 4404
 
 
 class Gateway:
-    """The gateway's routes and the Redis client they share."""
+    """The gateway's routes and the Redis client and auth they share."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, *, auth: Auth | None = None):
         self.settings = settings
+        self.auth = auth if auth is not None else Auth.from_settings(settings)
         self._redis: aioredis.Redis | None = None
         self.routes: list[BaseRoute] = [
             WebSocketRoute("/v1/jobs/{job_id}/stream", self.stream),
@@ -44,6 +48,7 @@ class Gateway:
         ]
 
     async def start(self) -> None:
+        self.auth.start()
         self._redis = connect(self.settings.redis_url)
 
     async def stop(self) -> None:
@@ -62,17 +67,26 @@ class Gateway:
         if after_id is None:
             return await _close(ws, CLOSE_BAD_REQUEST, "last_event_id must be an integer >= 0")
         try:
-            if not await self._job_exists(job_id):
+            if not await self._may_watch(ws, job_id):
                 return await _close(ws, CLOSE_UNKNOWN_JOB, "unknown job")
             finished = await self._relay(ws, job_id, after_id)
+        except AuthError as exc:
+            return await _close(ws, exc.close_code, str(exc))
         except RedisError:
             return await _close(ws, CLOSE_TRY_AGAIN, "the event store is unavailable")
         if finished:
             await _close(ws, CLOSE_DONE, "done")
 
-    async def _job_exists(self, job_id: str) -> bool:
-        return keys.is_valid_job_id(job_id) and bool(
-            await self._connected().exists(keys.job_hash(job_id)))
+    async def _may_watch(self, ws: WebSocket, job_id: str) -> bool:
+        """False for an unknown job; ``AuthError`` if this client may not watch it."""
+        authorization, token = ws.headers.get("authorization"), ws.query_params.get("token")
+        if token is None:
+            self.auth.tenant(authorization)  # no credentials: 4401 before the job is looked up
+        access = await job_access(self._connected(), job_id)
+        if access is None:
+            return False
+        self.auth.check_stream(access, authorization=authorization, token=token)
+        return True
 
     async def _relay(self, ws: WebSocket, job_id: str, after_id: int) -> bool:
         """Send events until the final one (True) or until the client leaves (False).

@@ -115,7 +115,8 @@ async def _submit(args: argparse.Namespace) -> int:
         "top_k": args.top_k, "seed": args.seed, "stop": args.stop or None,
         "timeout_s": args.timeout, "lane": args.lane,
     }.items() if v is not None}
-    async with Client(args.url) as client:
+    # The key comes from the environment only: argv is visible to every user of the machine.
+    async with Client(args.url, api_key=os.environ.get("TIDEGATE_API_KEY") or None) as client:
         handle = await client.submit(prompt, messages=messages, **params)
         if args.stream:
             async for event in handle.events():
@@ -182,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="submit a job and print its answer")
     p.add_argument("prompt", help="the user message (or the raw prompt with --raw)")
     p.add_argument("--url", default=os.environ.get("TIDEGATE_URL", "http://127.0.0.1:8000"),
-                   help="the API's base URL (env TIDEGATE_URL)")
+                   help="the API's base URL (env TIDEGATE_URL); API key: env TIDEGATE_API_KEY")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--raw", action="store_true", help="send a plain prompt, no chat template")
     p.add_argument("--system", help="a system message")

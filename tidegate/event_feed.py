@@ -57,6 +57,8 @@ async def follow(
         await pubsub.get_message(timeout=poll_s)
         last = after_id
         for event in await stored_events(redis, job_id, last):
+            if event.id <= last:
+                continue  # a batch a worker re-sent after a Redis outage
             yield event
             last = event.id
             if event.final:
@@ -72,6 +74,8 @@ async def follow(
                     continue
                 pending = [event] if event.id == last + 1 else await stored_events(redis, job_id, last)
             for event in pending:
+                if event.id <= last:
+                    continue
                 yield event
                 last = event.id
                 if event.final:

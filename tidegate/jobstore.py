@@ -1,8 +1,9 @@
 """A job's durable record in Redis: enqueue, status, result.
 
-The job hash holds ``job`` (the Job JSON), ``status``, and when finished ``result`` (text,
-finish_reason, usage, timings) or ``error`` ({code, message}). Producers write it at submit,
-workers at start and finish; everybody reads it through ``read_result``.
+The job hash holds ``job`` (the Job JSON), ``status``, ``owner`` (the submitting tenant),
+``stream_token_hash``, and when finished ``result`` (text, finish_reason, usage, timings) or
+``error`` ({code, message}). Producers write it at submit, workers at start and finish;
+everybody reads it through ``read_result``.
 """
 
 from __future__ import annotations
@@ -19,16 +20,23 @@ JOB_FIELD = "job"  # the one field of a lane stream entry: the Job's JSON
 
 
 async def enqueue(
-    redis: aioredis.Redis, job: Job, *, partition: int = 0, ttl_s: int = keys.JOB_TTL_S
+    redis: aioredis.Redis, job: Job, *, partition: int = 0, ttl_s: int = keys.JOB_TTL_S,
+    owner: str | None = None, stream_token_hash: str | None = None,
 ) -> None:
     """Record the job and its ``queued`` event, then put it on its lane stream.
 
     The job's keys share one slot and are written first, so a job visible to workers always
-    has its record; the lane stream lives in another slot and is written last.
+    has its record; the lane stream lives in another slot and is written last. ``owner`` (the
+    submitting tenant) and ``stream_token_hash`` go into the job hash with the rest.
     """
     queued = QueuedEvent(id=1, job_id=job.id, lane=job.lane)
+    record = {"job": job.model_dump_json(), "status": "queued"}
+    if owner is not None:
+        record["owner"] = owner
+    if stream_token_hash is not None:
+        record["stream_token_hash"] = stream_token_hash
     pipe = redis.pipeline(transaction=True)
-    pipe.hset(keys.job_hash(job.id), mapping={"job": job.model_dump_json(), "status": "queued"})
+    pipe.hset(keys.job_hash(job.id), mapping=record)
     pipe.expire(keys.job_hash(job.id), ttl_s)
     pipe.xadd(keys.job_events(job.id), {EVENT_FIELD: queued.model_dump_json()})
     pipe.expire(keys.job_events(job.id), ttl_s)
@@ -82,3 +90,86 @@ async def last_event_id(redis: aioredis.Redis, job_id: str) -> int:
     """The id of the job's newest stored event (0 if none), to continue the sequence."""
     newest = await redis.xrevrange(keys.job_events(job_id), count=1)
     return int(json.loads(newest[0][1][EVENT_FIELD])["id"]) if newest else 0
+
+
+# ---------------------------------------------------------------- state changes that must not race
+#
+# Each script touches one job's keys only (one hash tag, one cluster slot). Event ids continue
+# from the newest stored event, so a script's event never collides with a worker's.
+
+_NEXT_ID_LUA = """
+local function next_event_id(events)
+  local newest = redis.call('XREVRANGE', events, '+', '-', 'COUNT', 1)
+  if #newest == 0 then return 1 end
+  local fields = newest[1][2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 'e' then return cjson.decode(fields[i + 1])['id'] + 1 end
+  end
+  return 1
+end
+"""
+
+# KEYS: job hash, job events. ARGV: worker id.
+# Returns the status before: 'queued'/'running' -> the caller runs the job (now 'running');
+# anything else (a final status) -> the caller must not run it. A cancel request wins too.
+_CLAIM_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then return 'cancel_requested' end
+if status == 'queued' or status == 'running' then
+  redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1])
+end
+return status or 'missing'
+"""
+
+# KEYS: job hash, job events. ARGV: channel, ttl_s, now_ms.
+# A queued job ends here as cancelled (done event written and published); a running one is
+# flagged for its worker, which stops it within a step. Returns what happened.
+_CANCEL_LUA = _NEXT_ID_LUA + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'missing' end
+if status == 'running' then
+  redis.call('HSET', KEYS[1], 'cancel_requested', '1')
+  return 'cancelling'
+end
+if status ~= 'queued' then return status end
+local job = cjson.decode(redis.call('HGET', KEYS[1], 'job'))
+local waited = tonumber(ARGV[3]) - job['created_ms']
+local usage = {prompt_tokens = 0, completion_tokens = 0, total_tokens = 0}
+local timings = {queue_ms = waited, ttft_ms = waited, total_ms = waited, decode_tokens_per_s = 0}
+local result = {text = '', finish_reason = 'cancelled', usage = usage, timings = timings}
+local event = {type = 'done', id = next_event_id(KEYS[2]), job_id = job['id'],
+               finish_reason = 'cancelled', text = '', usage = usage, timings = timings}
+local raw = cjson.encode(event)
+redis.call('HSET', KEYS[1], 'status', 'done', 'cancel_requested', '1',
+           'result', cjson.encode(result))
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', '100000', '*', 'e', raw)
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('PUBLISH', ARGV[1], raw)
+return 'cancelled'
+"""
+
+
+async def claim_for_run(redis: aioredis.Redis, job_id: str, worker_id: str) -> str:
+    """Mark the job running unless it already ended or was cancelled; returns the old status."""
+    return await redis.eval(_CLAIM_LUA, 2, keys.job_hash(job_id), keys.job_events(job_id),
+                            worker_id)
+
+
+async def request_cancel(redis: aioredis.Redis, job_id: str, *, ttl_s: int = keys.JOB_TTL_S) -> str:
+    """Cancel a job: 'cancelled' (it was queued), 'cancelling' (its worker will stop it),
+    'missing', or the final status it already had ('done', 'error', 'rejected')."""
+    from tidegate.protocol import now_ms
+
+    return await redis.eval(_CANCEL_LUA, 2, keys.job_hash(job_id), keys.job_events(job_id),
+                            keys.job_channel(job_id), ttl_s, now_ms())
+
+
+async def cancel_requested(redis: aioredis.Redis, job_ids: list[str]) -> set[str]:
+    """Which of these running jobs have been asked to stop."""
+    if not job_ids:
+        return set()
+    pipe = redis.pipeline(transaction=False)
+    for job_id in job_ids:
+        pipe.hget(keys.job_hash(job_id), "cancel_requested")
+    flags = await pipe.execute()
+    return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag == "1"}

@@ -57,3 +57,23 @@ def worker_heartbeat(worker_id: str) -> str:
 
 
 WORKER_HEARTBEAT_TTL_S = 15
+
+
+def dead_letter_stream(lane: str) -> str:
+    """Jobs that failed ``max_deliveries`` times, with their last error, for an operator."""
+    return f"{PREFIX}:dead:{{{lane}}}"
+
+
+def idempotency(tenant: str, key: str) -> str:
+    """Maps a tenant's Idempotency-Key to the job it created (the key is hashed: bounded, opaque)."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{tenant}\0{key}".encode()).hexdigest()[:32]
+    return f"{PREFIX}:idem:{{{digest}}}"
+
+
+IDEMPOTENCY_TTL_S = 24 * 3600
+# A job pending this long without its worker refreshing it is taken over by another worker.
+VISIBILITY_TIMEOUT_MS = 30_000
+# After this many deliveries a job goes to the dead-letter stream instead of running again.
+MAX_DELIVERIES = 3

@@ -97,8 +97,10 @@ def combined_app(settings: Settings):  # -> Starlette
 
     from producer.api import ProducerAPI
     from streaming.gateway import Gateway
+    from tidegate.auth import Auth
 
-    api, gateway = ProducerAPI(settings), Gateway(settings)
+    auth = Auth.from_settings(settings)  # one, so "auth is off" is said once
+    api, gateway = ProducerAPI(settings, auth=auth), Gateway(settings, auth=auth)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette):

@@ -143,6 +143,11 @@ class JobRequest(_PromptFields, SamplingParams):
     deadline_ms: int | None = Field(default=None, gt=0)
     timeout_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
     lane: Lane = "interactive"
+    priority: int = Field(default=0, ge=-100, le=100, description="higher runs first in a lane")
+    idempotency_key: str | None = Field(
+        default=None, min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$",
+        description="a repeated submit with the same key returns the same job (also a header)",
+    )
 
     @model_validator(mode="after")
     def _one_deadline(self) -> JobRequest:
@@ -166,6 +171,7 @@ class JobRequest(_PromptFields, SamplingParams):
             sampling=self.sampling(),
             deadline_ms=deadline,
             lane=self.lane,
+            priority=self.priority,
             created_ms=created,
         )
 
@@ -177,6 +183,7 @@ class Job(_PromptFields):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     deadline_ms: int
     lane: Lane = "interactive"
+    priority: int = Field(default=0, ge=-100, le=100)
     created_ms: int
 
 
@@ -250,8 +257,16 @@ class RejectedEvent(_Event):
     message: str = ""
 
 
+class RestartedEvent(_Event):
+    """A worker took the job over after another died: drop any partial text seen so far."""
+
+    type: Literal["restarted"] = "restarted"
+    attempt: int = Field(ge=2, description="delivery number of this run")
+
+
 Event = Annotated[
-    QueuedEvent | StartedEvent | TokenEvent | DoneEvent | ErrorEvent | RejectedEvent,
+    QueuedEvent | StartedEvent | TokenEvent | DoneEvent | ErrorEvent | RejectedEvent
+    | RestartedEvent,
     Field(discriminator="type"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+import json
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -24,6 +27,17 @@ class Settings(BaseSettings):
                                       description="None: 2 GiB on CPU, a fraction on CUDA")
     kv_cache_memory_fraction: float = Field(default=0.9, gt=0, le=1)
     prefix_caching: bool = True
+    load_shedding: bool = True
+    # Finish-time estimates are multiplied by this before comparing them with deadlines.
+    shedding_safety: float = Field(default=1.25, ge=1.0, le=10.0)
+    # CPU threads for torch (None: torch's default, one per core). Set it below the core count
+    # when other busy processes share the machine: spinning threads that lose their core stall
+    # every parallel op.
+    torch_threads: int | None = Field(default=None, ge=1)
+    # A job pending this long without its worker refreshing it is reclaimed by another worker.
+    visibility_timeout_s: float = Field(default=30.0, gt=0)
+    max_deliveries: int = Field(default=3, ge=1, description="then the dead-letter stream")
+    drain_timeout_s: float = Field(default=30.0, ge=0, description="SIGTERM grace period")
     default_timeout_s: float = Field(default=300.0, gt=0)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, lt=65536)
@@ -32,6 +46,25 @@ class Settings(BaseSettings):
     lane_partitions: int = Field(default=1, ge=1)
     job_ttl_s: int = Field(default=24 * 3600, ge=60)
     log_level: str = "INFO"
+    # API keys (TIDEGATE_API_KEYS: "k1,k2" or a JSON list), and/or a file of one key per line
+    # ('#' comments). None configured: auth is off (local development).
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
+    api_keys_file: str | None = None
+    # Per lane, jobs waiting or unacknowledged above which submits are refused (429).
+    max_backlog: int = Field(default=10_000, ge=1)
+    retry_after_s: int = Field(default=2, ge=1)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _comma_list(cls, value: object) -> object:
+        """A comma-separated string (the usual env form) or a JSON list, blanks dropped."""
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else text.split(",")
+        if isinstance(value, list | tuple):
+            return [item.strip() if isinstance(item, str) else item for item in value
+                    if not isinstance(item, str) or item.strip()]
+        return value
 
 
 def load_settings(**overrides: object) -> Settings:

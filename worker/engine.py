@@ -110,7 +110,7 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_spec)
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
-        self._aborted: set[str] = set()
+        self._aborted: dict[str, FinishReason] = {}
         self._arrivals = itertools.count()
 
     # ------------------------------------------------------------------ interface
@@ -149,10 +149,10 @@ class Engine:
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) can never fit in this "
                 f"worker's KV cache of {self.kv_spec.num_tokens} tokens")
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request at the next step boundary; it finishes with ``cancelled``."""
+    def abort(self, request_id: str, reason: FinishReason = "cancelled") -> None:
+        """Stop a request at the next step boundary, finishing with ``reason``."""
         if request_id in self._seqs:
-            self._aborted.add(request_id)
+            self._aborted.setdefault(request_id, reason)
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
@@ -169,10 +169,21 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Prompt (or recompute) tokens admitted but not yet run through the model."""
+        seqs = [*self.scheduler.running, *self.scheduler.waiting]
+        return sum(s.num_uncomputed for s in seqs if s.num_uncomputed > 1)
+
+    def tokens_left(self) -> dict[str, int]:
+        """Each request's remaining output budget (max_tokens minus what it generated)."""
+        return {rid: s.params.max_tokens - len(s.output_ids) for rid, s in self._seqs.items()}
+
     def step(self) -> list[RequestOutput]:
         aborted = sorted((self._seqs[r] for r in self._aborted if r in self._seqs),
                          key=lambda s: s.arrival)
-        outputs = [self._finish(seq, "cancelled", None, "") for seq in aborted]
+        # Held-back text (a possible stop string's start) is dropped: no token carries it.
+        outputs = [self._finish(seq, self._aborted[seq.request_id], None, "") for seq in aborted]
         self._aborted.clear()
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
@@ -23,6 +23,7 @@ class Delivery:
     job: Job | None
     job_id: str | None  # known even for a malformed job when its JSON carries a usable id
     problem: str = ""
+    attempt: int = 1  # how many times the group has delivered this entry, this one included
 
 
 def parse_entry(stream: str, message_id: str, fields: dict[str, str]) -> Delivery:
@@ -85,6 +86,57 @@ class StreamIntake:
             for stream, entries in (reply or [])
             for message_id, fields in entries
         ]
+
+    async def peek(self, stream: str, count: int) -> list[Delivery]:
+        """The next ``count`` entries the group has not delivered yet, without taking them."""
+        groups = await self.redis.xinfo_groups(stream)
+        last = next((g["last-delivered-id"] for g in groups if g["name"] == keys.CONSUMER_GROUP),
+                    None)
+        if last is None:
+            return []
+        entries = await self.redis.xrange(stream, min=f"({last}", count=count)
+        return [parse_entry(stream, message_id, fields) for message_id, fields in entries]
+
+    async def read_from(self, stream: str, count: int) -> list[Delivery]:
+        """Take the next ``count`` undelivered entries of one stream (after a ``peek``)."""
+        return await self._read({stream: ">"}, count, None)
+
+    async def reclaim(self, count: int, *, min_idle_ms: int) -> list[Delivery]:
+        """Take over up to ``count`` entries other workers left pending past ``min_idle_ms``.
+
+        Their owners stopped refreshing them (``touch``): crashed, killed or partitioned away.
+        """
+        got: list[Delivery] = []
+        for stream in self.streams:
+            if len(got) >= count:
+                break
+            reply = await self.redis.xautoclaim(stream, keys.CONSUMER_GROUP, self.consumer,
+                                                min_idle_ms, "0-0", count=count - len(got))
+            for message_id, fields in reply[1]:
+                if fields is None:
+                    continue  # deleted from the stream while pending
+                info = await self.redis.xpending_range(stream, keys.CONSUMER_GROUP,
+                                                       message_id, message_id, 1)
+                attempt = info[0]["times_delivered"] if info else 2
+                got.append(replace(parse_entry(stream, message_id, fields), attempt=attempt))
+        return got
+
+    async def touch(self, deliveries: list[Delivery]) -> None:
+        """Reset the idle time of entries this worker is still running, so nobody reclaims them."""
+        await self._claim_to_self(deliveries, idle_ms=None)
+
+    async def release(self, deliveries: list[Delivery], *, idle_ms: int) -> None:
+        """Mark entries idle as if abandoned long ago, so another worker reclaims them at once."""
+        await self._claim_to_self(deliveries, idle_ms=idle_ms)
+
+    async def _claim_to_self(self, deliveries: list[Delivery], *, idle_ms: int | None) -> None:
+        by_stream: dict[str, list[str]] = {}
+        for d in deliveries:
+            by_stream.setdefault(d.stream, []).append(d.message_id)
+        for stream, ids in by_stream.items():
+            # JUSTID: re-owning does not count as another delivery.
+            await self.redis.xclaim(stream, keys.CONSUMER_GROUP, self.consumer, 0, ids,
+                                    idle=idle_ms, justid=True)
 
     async def ack(self, deliveries: list[Delivery]) -> None:
         if not deliveries:

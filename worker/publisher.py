@@ -2,23 +2,27 @@
 
 Each event is XADDed to the job's event stream and PUBLISHed on its channel; a finished job's
 result is stored in its hash in the same pipeline, and only after that pipeline has executed is
-the job acknowledged on its lane stream (at-least-once: never ack what isn't stored).
+the job acknowledged on its lane stream (at-least-once: never ack what isn't stored). A step's
+events get their ids once, when prepared, so a batch that failed on a Redis outage is sent again
+unchanged; followers drop ids they have already seen.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
 from tidegate import keys
-from tidegate.jobstore import add_event, last_event_id, set_status
+from tidegate.jobstore import JOB_FIELD, add_event, last_event_id, set_status
 from tidegate.protocol import (
     DoneEvent,
     ErrorEvent,
+    FinishReason,
     Job,
     RejectedEvent,
+    RestartedEvent,
     StartedEvent,
     Timings,
     TokenEvent,
@@ -46,6 +50,15 @@ class ActiveJob:
         return self.next_event_id - 1
 
 
+@dataclass(slots=True)
+class StepBatch:
+    """One step's writes, ids assigned: safe to execute again after a failure."""
+
+    events: list[tuple[str, str]] = field(default_factory=list)  # (job id, event JSON)
+    statuses: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
+    finished: list[ActiveJob] = field(default_factory=list)
+
+
 class EventPublisher:
     def __init__(
         self, redis: aioredis.Redis, intake: StreamIntake, worker_id: str,
@@ -56,48 +69,55 @@ class EventPublisher:
         self.worker_id = worker_id
         self.ttl_s = ttl_s
 
-    async def start(self, job: Job, delivery: Delivery, prompt_tokens: int) -> ActiveJob:
-        """Mark the job running and publish ``started``, continuing the job's event ids."""
+    async def start(
+        self, job: Job, delivery: Delivery, prompt_tokens: int, *, restarted: bool
+    ) -> ActiveJob:
+        """Publish ``started`` (after ``restarted`` for a job taken over from a dead worker)."""
         active = ActiveJob(job, delivery, await last_event_id(self.redis, job.id) + 1,
                            prompt_tokens, now_ms())
-        event = StartedEvent(id=active.take_id(), job_id=job.id, worker=self.worker_id,
-                             prompt_tokens=prompt_tokens)
-        pipe = self.redis.pipeline(transaction=False)
-        set_status(pipe, job.id, "running")
-        add_event(pipe, job.id, event.model_dump_json(), ttl_s=self.ttl_s)
-        await pipe.execute()
+        batch = StepBatch()
+        if restarted:
+            batch.events.append((job.id, RestartedEvent(
+                id=active.take_id(), job_id=job.id, attempt=max(delivery.attempt, 2),
+            ).model_dump_json()))
+        batch.events.append((job.id, StartedEvent(
+            id=active.take_id(), job_id=job.id, worker=self.worker_id, prompt_tokens=prompt_tokens,
+        ).model_dump_json()))
+        await self.flush(batch)
         return active
 
-    async def publish_step(
-        self, outputs: list[RequestOutput], active: dict[str, ActiveJob]
-    ) -> list[ActiveJob]:
-        """Publish one step's events for every job; store and ack the finished ones."""
-        pipe = self.redis.pipeline(transaction=False)
-        finished: list[ActiveJob] = []
+    def prepare_step(self, outputs: list[RequestOutput], active: dict[str, ActiveJob]) -> StepBatch:
+        batch = StepBatch()
         stamp = now_ms()
         for out in outputs:
             job = active[out.request_id]
             if out.token_id is not None:
                 job.first_token_ms = job.first_token_ms or stamp
-                token = TokenEvent(id=job.take_id(), job_id=job.job.id, index=out.index,
-                                   text=out.text, token_ids=[out.token_id])
-                if out.logprobs is not None:
-                    token.logprob = out.logprobs.logprob
-                    token.top_logprobs = [TopLogprob(token_id=t, logprob=lp)
-                                          for t, lp in out.logprobs.top]
-                # Logprob fields appear only on jobs that asked for them.
-                add_event(pipe, job.job.id, token.model_dump_json(exclude_none=True),
-                          ttl_s=self.ttl_s)
+                batch.events.append((job.job.id, self._token(job, out)))
             if out.finish_reason is not None:
-                self._finish(pipe, job, out, stamp)
-                finished.append(job)
-        await pipe.execute()
-        await self.intake.ack([job.delivery for job in finished])
-        return finished
+                self._finish(batch, job, out, stamp)
+        return batch
 
-    def _finish(
-        self, pipe: aioredis.client.Pipeline, job: ActiveJob, out: RequestOutput, stamp: int
-    ) -> None:
+    async def flush(self, batch: StepBatch) -> None:
+        """Write the batch's events and results, then ack its finished jobs."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, status, fields in batch.statuses:
+            set_status(pipe, job_id, status, **fields)
+        for job_id, raw in batch.events:
+            add_event(pipe, job_id, raw, ttl_s=self.ttl_s)
+        await pipe.execute()
+        await self.intake.ack([job.delivery for job in batch.finished])
+
+    def _token(self, job: ActiveJob, out: RequestOutput) -> str:
+        token = TokenEvent(id=job.take_id(), job_id=job.job.id, index=out.index, text=out.text,
+                           token_ids=[out.token_id] if out.token_id is not None else [])
+        if out.logprobs is not None:
+            token.logprob = out.logprobs.logprob
+            token.top_logprobs = [TopLogprob(token_id=t, logprob=lp) for t, lp in out.logprobs.top]
+        # Logprob fields appear only on jobs that asked for them.
+        return token.model_dump_json(exclude_none=True)
+
+    def _finish(self, batch: StepBatch, job: ActiveJob, out: RequestOutput, stamp: int) -> None:
         created = job.job.created_ms
         first = job.first_token_ms or stamp
         decode_s = (stamp - first) / 1000
@@ -110,12 +130,16 @@ class EventPublisher:
         usage = Usage(prompt_tokens=out.num_prompt_tokens,
                       completion_tokens=out.num_output_tokens,
                       total_tokens=out.num_prompt_tokens + out.num_output_tokens)
-        done = DoneEvent(id=job.take_id(), job_id=job.job.id, finish_reason=out.finish_reason,
+        reason: FinishReason = out.finish_reason or "stop"
+        done = DoneEvent(id=job.take_id(), job_id=job.job.id, finish_reason=reason,
                          text=out.output_text, usage=usage, timings=timings)
-        result = {"text": out.output_text, "finish_reason": out.finish_reason,
+        result = {"text": out.output_text, "finish_reason": reason,
                   "usage": usage.model_dump(), "timings": timings.model_dump()}
-        set_status(pipe, job.job.id, "done", result=json.dumps(result))
-        add_event(pipe, job.job.id, done.model_dump_json(), ttl_s=self.ttl_s)
+        batch.statuses.append((job.job.id, "done", {"result": json.dumps(result)}))
+        batch.events.append((job.job.id, done.model_dump_json()))
+        batch.finished.append(job)
+
+    # ------------------------------------------------------------------ jobs that never run
 
     async def fail(
         self, delivery: Delivery, *, code: str, message: str, rejected: bool = False
@@ -135,3 +159,29 @@ class EventPublisher:
             add_event(pipe, job_id, event.model_dump_json(), ttl_s=self.ttl_s)
             await pipe.execute()
         await self.intake.ack([delivery])
+
+    async def cancelled_before_start(self, delivery: Delivery) -> None:
+        """A job whose cancel was requested before this worker could run it."""
+        assert delivery.job is not None
+        job = delivery.job
+        waited = float(now_ms() - job.created_ms)
+        timings = Timings(queue_ms=waited, ttft_ms=waited, total_ms=waited, decode_tokens_per_s=0)
+        usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        done = DoneEvent(id=await last_event_id(self.redis, job.id) + 1, job_id=job.id,
+                         finish_reason="cancelled", text="", usage=usage, timings=timings)
+        result = {"text": "", "finish_reason": "cancelled", "usage": usage.model_dump(),
+                  "timings": timings.model_dump()}
+        batch = StepBatch(events=[(job.id, done.model_dump_json())],
+                          statuses=[(job.id, "done", {"result": json.dumps(result)})])
+        await self.flush(batch)
+        await self.intake.ack([delivery])
+
+    async def dead_letter(self, delivery: Delivery, *, lane: str, last_error: str) -> None:
+        """Move a job that keeps failing to the lane's dead-letter stream and end it."""
+        raw = delivery.job.model_dump_json() if delivery.job else ""
+        await self.redis.xadd(keys.dead_letter_stream(lane), {
+            JOB_FIELD: raw, "job_id": delivery.job_id or "", "attempts": str(delivery.attempt),
+            "error": last_error, "stream": delivery.stream, "message_id": delivery.message_id,
+        }, maxlen=keys.LANE_MAXLEN, approximate=True)
+        await self.fail(delivery, code="dead_lettered",
+                        message=f"gave up after {delivery.attempt - 1} attempts: {last_error}")

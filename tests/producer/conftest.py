@@ -1,15 +1,20 @@
-"""Producer fixtures: the API served over real HTTP against the shared redis-server."""
+"""Producer fixtures: the API (alone, or with the gateway on one port as ``tidegate up`` serves
+them) over real HTTP and WebSocket against the shared redis-server."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from starlette.applications import Starlette
 
 from producer.admission import Admission
-from producer.api import create_app
+from producer.api import ProducerAPI, create_app
+from streaming.gateway import Gateway
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
+from tidegate.auth import Auth
 from tidegate.settings import Settings
 
 MODEL = "random:tiny"  # byte-level tokenizer, 2048-token context: long prompts are cheap to make
@@ -32,3 +37,30 @@ def api_server(redis_server: RedisServer, admission: Admission) -> Iterator[str]
 def api(api_server: str, redis_url: str) -> str:
     """The API's base URL, over a freshly flushed Redis."""
     return api_server
+
+
+def stack_app(settings: Settings, admission: Admission) -> Starlette:
+    """API and gateway mounted on one app sharing one ``Auth``, as ``tidegate up`` does."""
+    auth = Auth.from_settings(settings)
+    api = ProducerAPI(settings, admission=admission, auth=auth)
+    gateway = Gateway(settings, auth=auth)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await api.start()
+        await gateway.start()
+        yield
+        await gateway.stop()
+        await api.stop()
+
+    return Starlette(routes=api.routes + gateway.routes, lifespan=lifespan,
+                     exception_handlers=dict(api.exception_handlers))
+
+
+@contextlib.contextmanager
+def serve_stack(redis_server: RedisServer, admission: Admission,
+                **settings: object) -> Iterator[str]:
+    """API + gateway with these settings; yields the base URL (http://; ws:// for streams)."""
+    full = Settings(redis_url=redis_server.url, model=MODEL, **settings)  # type: ignore[arg-type]
+    with serve(stack_app(full, admission)) as url:
+        yield url

@@ -16,6 +16,7 @@ from tests.asgi_server import serve
 from tests.conftest import free_port
 from tests.producer.conftest import MODEL
 from tidegate import keys
+from tidegate.auth import token_hash
 from tidegate.jobstore import set_status
 from tidegate.protocol import MAX_TOKENS_LIMIT, Job
 from tidegate.settings import Settings
@@ -35,17 +36,30 @@ async def test_submit_answers_202_and_queues_the_job(
     assert response.status_code == 202, response.text
     body = response.json()
     job_id = body["id"]
-    assert body == {"id": job_id, "status": "queued",
+    token = body["stream_token"]
+    assert body == {"id": job_id, "status": "queued", "stream_token": token,
                     "stream_url": api.replace("http://", "ws://") + f"/v1/jobs/{job_id}/stream"}
     assert response.headers["location"] == f"/v1/jobs/{job_id}"
+    assert len(token) >= 43  # 32 random bytes, urlsafe base64
 
     [(_, fields)] = await aredis.xrange(keys.lane_stream("interactive"))
     job = Job.model_validate_json(fields["job"])
     assert (job.id, job.prompt, job.sampling.max_tokens) == (job_id, "hello", 8)
-    assert await aredis.hget(keys.job_hash(job_id), "status") == "queued"
+    record = await aredis.hgetall(keys.job_hash(job_id))
+    assert (record["status"], record["owner"]) == ("queued", "anonymous")  # auth is off
+    assert record["stream_token_hash"] == token_hash(token) and token not in str(record)
     [(_, event)] = await aredis.xrange(keys.job_events(job_id))
     assert json.loads(event["e"]) == {"id": 1, "job_id": job_id, "type": "queued",
                                       "lane": "interactive"}
+
+
+@pytest.mark.parametrize("priority", [-100, 0, 7, 100])
+async def test_priority_reaches_the_enqueued_job(
+        http: httpx.AsyncClient, aredis: aioredis.Redis, priority: int) -> None:
+    response = await http.post("/v1/jobs", json={"prompt": "hi", "priority": priority})
+    assert response.status_code == 202, response.text
+    [(_, fields)] = await aredis.xrange(keys.lane_stream("interactive"))
+    assert Job.model_validate_json(fields["job"]).priority == priority
 
 
 async def test_unset_max_tokens_is_capped_to_the_room_the_prompt_leaves(
@@ -119,6 +133,9 @@ MSG = {"role": "user", "content": "hi"}
         ({"messages": [{"role": "wizard", "content": "x"}]}, 422, "invalid_request",
          "messages.0.role"),
         ({"prompt": "x", "lane": "vip"}, 422, "invalid_request", "lane"),
+        ({"prompt": "x", "priority": 101}, 422, "invalid_request", "priority"),
+        ({"prompt": "x", "priority": -101}, 422, "invalid_request", "priority"),
+        ({"prompt": "x", "priority": 1.5}, 422, "invalid_request", "priority"),
         ({"prompt": "x", "timeout_s": 1, "deadline_ms": 5}, 422, "invalid_request", "deadline_ms"),
         ({"prompt": LONG}, 422, "context_length_exceeded", "prompt"),
         ({"messages": [{"role": "user", "content": LONG}]}, 422, "context_length_exceeded",

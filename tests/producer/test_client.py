@@ -17,12 +17,10 @@ from starlette.websockets import WebSocket
 
 from producer import Client, SyncClient
 from producer.admission import Admission
-from producer.api import ProducerAPI
 from producer.errors import InvalidRequest, JobNotFound, ServiceUnavailable
-from streaming.gateway import Gateway
 from tests.asgi_server import serve
 from tests.conftest import RedisServer, free_port
-from tests.producer.conftest import MODEL
+from tests.producer.conftest import serve_stack
 from tidegate import keys
 from tidegate.jobstore import JOB_FIELD, add_event, set_status
 from tidegate.protocol import (
@@ -34,30 +32,13 @@ from tidegate.protocol import (
     Usage,
     is_final,
 )
-from tidegate.settings import Settings
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def stack_app(settings: Settings, admission: Admission) -> Starlette:
-    """API and gateway mounted on one app, as ``tidegate up`` does."""
-    api, gateway = ProducerAPI(settings, admission=admission), Gateway(settings)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await api.start()
-        await gateway.start()
-        yield
-        await gateway.stop()
-        await api.stop()
-
-    return Starlette(routes=api.routes + gateway.routes, lifespan=lifespan,
-                     exception_handlers=dict(api.exception_handlers))
-
-
 @pytest.fixture(scope="module")
 def stack_server(redis_server: RedisServer, admission: Admission) -> Iterator[str]:
-    with serve(stack_app(Settings(redis_url=redis_server.url, model=MODEL), admission)) as url:
+    with serve_stack(redis_server, admission) as url:
         yield url
 
 

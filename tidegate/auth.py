@@ -1,0 +1,188 @@
+"""Who may do what: API keys, the tenant each key stands for, and per-job stream tokens.
+
+A caller presents ``Authorization: Bearer <key>``; the key maps to a tenant id (a hash prefix,
+never the key), which owns the jobs it submits. A job's stream token lets a browser, which
+cannot set WebSocket headers, watch that one job. With no key configured auth is off: every
+caller is the tenant ``anonymous``. Keys and tokens are kept out of the server's logs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from tidegate import keys
+from tidegate.settings import Settings
+
+log = logging.getLogger(__name__)
+
+ANONYMOUS = "anonymous"  # the tenant of every caller while auth is off
+# Loggers that may print request lines or headers: uvicorn's (its WebSocket handshake logs
+# headers at DEBUG) and the websockets client's.
+SERVER_LOGGERS = ("uvicorn.error", "uvicorn.access")
+CLIENT_LOGGERS = ("websockets.client",)
+
+
+class AuthError(Exception):
+    """A refused caller; ``status``/``type`` for HTTP, ``close_code`` for WebSockets."""
+
+    status = 401
+    type = "unauthorized"
+    close_code = 4401
+    headers: dict[str, str] = {}
+
+
+class Unauthorized(AuthError):
+    """No API key, or one nobody configured."""
+
+    headers = {"WWW-Authenticate": "Bearer"}
+
+
+class Forbidden(AuthError):
+    """A valid key of another tenant, or a stream token of another job."""
+
+    status = 403
+    type = "forbidden"
+    close_code = 4403
+
+
+@dataclass(frozen=True, slots=True)
+class JobAccess:
+    """What decides who may read, stream or cancel one job (from its hash)."""
+
+    owner: str | None  # tenant id; None for jobs enqueued without one
+    stream_token_hash: str | None
+
+
+def tenant_of(api_key: str) -> str:
+    """The tenant id a key stands for: stable, short, and useless for recovering the key."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+def new_stream_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def token_hash(token: str) -> str:
+    """What the job hash stores of a stream token (``stream_token_hash``)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+async def job_access(redis: aioredis.Redis, job_id: str) -> JobAccess | None:
+    """The job's owner and stream-token hash; None for an unknown (or malformed) job id."""
+    if not keys.is_valid_job_id(job_id):
+        return None
+    status, owner, hashed = await redis.hmget(
+        keys.job_hash(job_id), ["status", "owner", "stream_token_hash"])
+    return None if status is None else JobAccess(owner=owner, stream_token_hash=hashed)
+
+
+class Auth:
+    """The configured API keys, and the checks every route makes with them."""
+
+    def __init__(self, api_keys: Iterable[str] = ()):
+        # Digests, so every comparison runs over equal lengths whatever the key's length.
+        self._keys = [(hashlib.sha256(k.encode()).digest(), tenant_of(k)) for k in api_keys]
+        self._started = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Auth:
+        """Keys from ``api_keys`` and ``api_keys_file`` (one a line, ``#`` comments)."""
+        api_keys = list(settings.api_keys)
+        if settings.api_keys_file:
+            lines = Path(settings.api_keys_file).read_text().splitlines()
+            api_keys += [line.strip() for line in lines
+                         if line.strip() and not line.lstrip().startswith("#")]
+        return cls(api_keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def start(self) -> None:
+        """At server start-up: redact credentials from the server's logs; warn if auth is off."""
+        redact_credentials(*SERVER_LOGGERS)
+        if not self._started and not self.enabled:
+            log.warning("auth is OFF: no API key configured (TIDEGATE_API_KEYS or "
+                        "TIDEGATE_API_KEYS_FILE); anyone who can reach this port may submit, "
+                        "read and cancel jobs")
+        self._started = True
+
+    def tenant(self, authorization: str | None) -> str:
+        """The caller's tenant from its ``Authorization`` header; ``Unauthorized`` if none."""
+        if not self.enabled:
+            return ANONYMOUS
+        key = _bearer(authorization)
+        if key is None:
+            raise Unauthorized("an API key is required: Authorization: Bearer <key>")
+        digest = hashlib.sha256(key.encode()).digest()
+        found = None
+        for known, tenant in self._keys:  # no early exit: the time says nothing about which
+            if hmac.compare_digest(digest, known):
+                found = tenant
+        if found is None:
+            raise Unauthorized("unknown API key")
+        return found
+
+    def check_owner(self, tenant: str, access: JobAccess) -> None:
+        """``Forbidden`` unless ``tenant`` owns the job (anyone does while auth is off)."""
+        if self.enabled and access.owner != tenant:
+            raise Forbidden("this job belongs to another tenant")
+
+    def check_stream(self, access: JobAccess, *, authorization: str | None,
+                     token: str | None) -> None:
+        """May this caller watch the job: the job's stream token, or its owner's key."""
+        if token is not None and access.stream_token_hash is not None and hmac.compare_digest(
+                token_hash(token), access.stream_token_hash):
+            return
+        if token is not None and authorization is None:
+            raise Forbidden("the stream token does not match this job")
+        self.check_owner(self.tenant(authorization), access)
+
+
+def _bearer(authorization: str | None) -> str | None:
+    scheme, _, credentials = (authorization or "").strip().partition(" ")
+    credentials = credentials.strip()
+    return credentials if scheme.lower() == "bearer" and credentials else None
+
+
+# ---------------------------------------------------------------- logs
+
+
+_SECRETS = (
+    # a header line as websockets logs it ("> Authorization: Bearer k"), or a dumped mapping
+    re.compile(r"(?i)(authorization['\"]?\s*[:=,]\s*['\"]?)(?:bearer\s+)?[^\s'\",}]+"),
+    re.compile(r"(?i)([?&]token=)[^&\s'\"]+"),  # a stream token in a logged URL
+)
+
+
+class RedactCredentials(logging.Filter):
+    """Rewrites a record's message with API keys and stream tokens replaced."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: leave it to the handler's own error path
+            return True
+        redacted = message
+        for pattern in _SECRETS:
+            redacted = pattern.sub(r"\1[redacted]", redacted)
+        if redacted != message:
+            record.msg, record.args = redacted, ()
+        return True
+
+
+def redact_credentials(*logger_names: str) -> None:
+    """Install ``RedactCredentials`` on these loggers (once each)."""
+    for name in logger_names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactCredentials) for f in logger.filters):
+            logger.addFilter(RedactCredentials())

@@ -1,0 +1,105 @@
+"""Load shedding: admit a job only if this worker can still finish it by its deadline.
+
+The worker times every engine step and feeds the shedder (prompt tokens computed, decodes run,
+seconds taken). From those it keeps two rates: the step time as a function of the decode batch
+size (a line through recent decode steps, since on every device a step costs a fixed part plus a
+part per sequence) and prompt tokens per second. A new job's finish time is estimated as
+now + (prompt tokens queued ahead + its own) / prefill rate + max_tokens x step time at the batch
+size it would join; beyond its deadline (with a safety margin) it is rejected at once, so under
+overload the admitted jobs keep their deadlines instead of every job being late. ``max_tokens``
+is an upper bound, so the estimate errs towards refusing. Plain Python: no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ShedderConfig:
+    enabled: bool = True
+    safety: float = 1.25  # estimates are multiplied by this before comparing with the deadline
+    window: int = 64  # recent steps kept for each rate
+    # Until measured: rates assumed optimistic enough to admit, pessimistic enough to learn fast.
+    initial_prefill_tok_s: float = 2000.0
+    initial_step_s: float = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What the engine holds when a job arrives."""
+
+    batch_size: int  # requests running or waiting (each decodes in every step)
+    prefill_tokens_ahead: int  # prompt tokens admitted but not yet computed
+    max_num_seqs: int
+    seat_wait_s: float = 0.0  # when every seat is taken: until the first running job ends
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    finish_s: float  # seconds from now until the job would finish
+    admit: bool
+
+
+class LoadShedder:
+    def __init__(self, config: ShedderConfig | None = None) -> None:
+        self.config = config or ShedderConfig()
+        self._decode: deque[tuple[int, float]] = deque(maxlen=self.config.window)
+        self._prefill: deque[tuple[int, float]] = deque(maxlen=self.config.window)
+
+    # ------------------------------------------------------------------ measurements
+
+    def observe_step(self, prompt_tokens: int, decodes: int, seconds: float) -> None:
+        """Record one engine step. Pure decode steps fit the step-time line; steps with prompt
+        tokens give the prefill rate after the decode share of the step is taken out."""
+        if seconds <= 0:
+            return
+        if prompt_tokens == 0:
+            if decodes > 0:
+                self._decode.append((decodes, seconds))
+            return
+        decode_share = self.step_s(decodes) if decodes else 0.0
+        self._prefill.append((prompt_tokens, max(seconds - decode_share, seconds * 0.1)))
+
+    def prefill_tok_s(self) -> float:
+        if not self._prefill:
+            return self.config.initial_prefill_tok_s
+        tokens = sum(n for n, _ in self._prefill)
+        return tokens / sum(s for _, s in self._prefill)
+
+    def step_s(self, batch_size: int) -> float:
+        """Decode step time at ``batch_size``: least squares over recent decode steps."""
+        pts = self._decode
+        if not pts:
+            return self.config.initial_step_s
+        n = len(pts)
+        mean_b = sum(b for b, _ in pts) / n
+        mean_t = sum(t for _, t in pts) / n
+        var = sum((b - mean_b) ** 2 for b, _ in pts)
+        if var == 0:  # one batch size seen so far: scale the time in proportion, at worst
+            return mean_t * max(1.0, batch_size / mean_b)
+        slope = max(0.0, sum((b - mean_b) * (t - mean_t) for b, t in pts) / var)
+        return max(mean_t + slope * (batch_size - mean_b), 1e-4)
+
+    # ------------------------------------------------------------------ decision
+
+    def estimate(
+        self, prompt_tokens: int, max_tokens: int, load: Load, time_left_s: float,
+        running: Sequence[tuple[int, float]] = (),
+    ) -> Estimate:
+        """Finish time of a new job, and whether to admit it.
+
+        ``running``: (tokens still to generate, seconds left) of each admitted job; a new job is
+        refused too if the larger batch it makes would push one of them past its deadline.
+        """
+        batch = min(load.batch_size + 1, load.max_num_seqs)
+        prefill_s = (load.prefill_tokens_ahead + prompt_tokens) / self.prefill_tok_s()
+        # A job beyond the sequence cap first waits for a seat.
+        queue_s = load.seat_wait_s if load.batch_size >= load.max_num_seqs else 0.0
+        step = self.step_s(batch)
+        finish = (prefill_s + queue_s + max_tokens * step) * self.config.safety
+        admit = finish <= time_left_s and all(
+            (prefill_s + left * step) * self.config.safety <= their_time for left, their_time in running)
+        return Estimate(finish, admit=not self.config.enabled or admit)
