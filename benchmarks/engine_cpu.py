@@ -9,7 +9,7 @@ Workloads (fixed seed, random prompt tokens, ``ignore_eos`` so lengths are exact
   prefix  32 requests sharing a 384-token system prompt + 32 own tokens, 64 output tokens each;
           tidegate with prefix caching on and off: prompt tokens computed, wall time, TTFT.
 
-Usage:  python benchmarks/engine_cpu.py [--dtype float32] [--extra-dtype bfloat16]
+Usage:  python benchmarks/engine_cpu.py [--repeats 3] [--dtype float32] [--extra-dtype bfloat16]
                                         [--out benchmarks/results/engine_cpu.json] [--plot PNG]
 """
 
@@ -127,6 +127,14 @@ def run_hf_static(name: str, hf: torch.nn.Module, reqs: list[Request], pad_id: i
                      ttft_ms=[1000 * ttft] * len(reqs), tpot_ms=[tpot] * len(reqs))
 
 
+def median_run(same: tuple[RunResult, ...]) -> RunResult:
+    """The round whose wall time is the median (its latencies come along with it)."""
+    ordered = sorted(same, key=lambda r: r.wall_s)
+    chosen = ordered[len(ordered) // 2]
+    chosen.name += f" [median of {len(same)}; walls {', '.join(f'{r.wall_s:.1f}' for r in same)}]"
+    return chosen
+
+
 def load_hf() -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -146,7 +154,7 @@ def plot(results: dict[str, dict], path: str) -> None:
 
     rows = [r for r in results["runs"] if r["name"].startswith("mixed")]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    names = [r["name"].removeprefix("mixed ") for r in rows]
+    names = [r["name"].removeprefix("mixed ").split(" [")[0] for r in rows]
     axes[0].bar(names, [r["output_tok_s"] for r in rows], color=["#888", "#1f77b4", "#2ca02c"])
     axes[0].set_title("32 mixed requests: output tokens/s")
     axes[1].bar(names, [r["ttft_p50_ms"] / 1000 for r in rows], label="p50")
@@ -167,7 +175,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--extra-dtype", default="bfloat16", help="also run tidegate in this dtype")
+    ap.add_argument("--extra-dtype", default="", help="also run tidegate in this dtype")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians kept")
     ap.add_argument("--out", default="benchmarks/results/engine_cpu.json")
     ap.add_argument("--plot", default="benchmarks/results/engine_cpu.png")
     args = ap.parse_args()
@@ -180,19 +189,25 @@ def main() -> None:
     one = [Request(random_tokens(random.Random(args.seed + 2), 128, vocab), 128)]
     hf = load_hf()
     pad = int(hf.generation_config.pad_token_id or 0)
-    runs = [
-        run_hf_static(f"mixed HF generate static ({args.dtype})", hf, mixed, pad),
-        run_tidegate(f"mixed tidegate ({args.dtype})", loaded, mixed),
-    ]
-    if args.extra_dtype:
-        extra = load_model("smollm2", dtype=getattr(torch, args.extra_dtype))
-        runs.append(run_tidegate(f"mixed tidegate ({args.extra_dtype})", extra, mixed))
-    runs += [
-        run_hf_static(f"batch1 HF generate ({args.dtype})", hf, one, pad),
-        run_tidegate(f"batch1 tidegate ({args.dtype})", loaded, one),
-        run_tidegate("prefix tidegate, prefix caching off", loaded, shared, prefix_caching=False),
-        run_tidegate("prefix tidegate, prefix caching on", loaded, shared, prefix_caching=True),
-    ]
+    extra = load_model("smollm2", dtype=getattr(torch, args.extra_dtype)) if args.extra_dtype else None
+    rounds: list[list[RunResult]] = []
+    # The host's speed drifts from minute to minute: alternate HF and tidegate in every round
+    # and report each run's median over the rounds.
+    for _ in range(args.repeats):
+        runs = [
+            run_hf_static(f"mixed HF generate static ({args.dtype})", hf, mixed, pad),
+            run_tidegate(f"mixed tidegate ({args.dtype})", loaded, mixed),
+            run_hf_static(f"batch1 HF generate ({args.dtype})", hf, one, pad),
+            run_tidegate(f"batch1 tidegate ({args.dtype})", loaded, one),
+            run_tidegate("prefix tidegate, prefix caching off", loaded, shared,
+                         prefix_caching=False),
+            run_tidegate("prefix tidegate, prefix caching on", loaded, shared,
+                         prefix_caching=True),
+        ]
+        if extra is not None:
+            runs.append(run_tidegate(f"mixed tidegate ({args.extra_dtype})", extra, mixed))
+        rounds.append(runs)
+    runs = [median_run(same) for same in zip(*rounds, strict=True)]
     results = {
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "threads": torch.get_num_threads(), "torch": torch.__version__},
@@ -207,12 +222,11 @@ def main() -> None:
         plot(results, args.plot)
     for r in results["runs"]:
         print(json.dumps(r))
-    hf_mixed, tg_mixed = runs[0], runs[1]
-    hf_b1, tg_b1 = runs[-4], runs[-3]
+    hf_mixed, tg_mixed, hf_b1, tg_b1 = runs[:4]
     print(f"\nmixed: tidegate {tg_mixed.tokens_per_s:.0f} vs HF {hf_mixed.tokens_per_s:.0f} out tok/s"
           f" = {tg_mixed.tokens_per_s / hf_mixed.tokens_per_s:.2f}x")
     print(f"batch-1 decode: tidegate {tg_b1.tpot_ms[0]:.1f} vs HF {hf_b1.tpot_ms[0]:.1f} ms/token")
-    off, on = runs[-2], runs[-1]
+    off, on = runs[4], runs[5]
     print(f"prefix: prompt tokens computed {off.prompt_tokens_computed} -> "
           f"{on.prompt_tokens_computed}, wall {off.wall_s:.1f} -> {on.wall_s:.1f} s")
 

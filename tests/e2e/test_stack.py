@@ -107,3 +107,22 @@ def test_cli_bad_input_exits_2_with_a_message(stack: str) -> None:
     assert out.returncode == 2 and "max_tokens" in out.stderr and "Traceback" not in out.stderr
     out = cli("up", "--model", "/no/such/model", "--port", "0")
     assert out.returncode == 2 and "/no/such/model" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_official_openai_client_against_the_real_worker(stack: str) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{stack}/v1", api_key="unused-auth-is-off", max_retries=0)
+    [model] = [m.id for m in client.models.list().data]
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = client.chat.completions.create(model=model, messages=question, temperature=0,
+                                           max_tokens=20)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.usage.completion_tokens > 0 and reply.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=model, messages=question, temperature=0,
+                                                 max_tokens=20, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == reply.choices[0].message.content
+    text = client.completions.create(model=model, prompt="The capital of France is",
+                                     max_tokens=5, temperature=0)
+    assert text.choices[0].text and text.usage.prompt_tokens > 0

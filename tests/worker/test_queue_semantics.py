@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from tidegate import keys
-from tidegate.event_feed import follow
+from tidegate.event_feed import follow, stored_events
 from tidegate.jobstore import enqueue, read_result, request_cancel
 from tidegate.protocol import JobRequest, now_ms
 
@@ -71,7 +71,12 @@ async def submit(r: aioredis.Redis, **body: object) -> str:
     return job.id
 
 
-async def events_of(r: aioredis.Redis, job_id: str, timeout_s: float = 120) -> list[dict]:
+async def events_of(r: aioredis.Redis, job_id: str, timeout_s: float = 120,
+                    final: bool = True) -> list[dict]:
+    """The job's events until its final one (or, with ``final=False``, those stored now)."""
+    if not final:
+        return [e.data() for e in await stored_events(r, job_id)]
+
     async def collect() -> list[dict]:
         return [e.data() async for e in follow(r, job_id)]
 
@@ -132,11 +137,11 @@ async def test_overload_admitted_jobs_meet_deadlines_the_rest_are_rejected_fast(
     # and the burst.
     workers.start(model="smollm2", max_num_seqs=16, shedding_safety=2.5)
     await wait_for_workers(r, 1)
-    # Several times what one single-threaded CPU worker finishes in 6 s: 48 jobs of 32 tokens.
+    # Several times what one single-threaded CPU worker finishes in 10 s: 48 jobs of 32 tokens.
     sent = {}
     for i in range(48):
         sent[await submit(r, prompt=f"job {i}: count to fifty", max_tokens=32, ignore_eos=True,
-                          timeout_s=6)] = now_ms()
+                          timeout_s=10)] = now_ms()
     # Poll the stored results (light on the CPU the worker needs) until every job has ended.
     results = {}
     while len(results) < len(sent):
@@ -149,14 +154,17 @@ async def test_overload_admitted_jobs_meet_deadlines_the_rest_are_rejected_fast(
     rejected = [job_id for job_id, res in results.items() if res.status == "rejected"]
     assert done and rejected, (len(done), len(rejected))
     assert all(d.finish_reason == "length" for d in done), [d.finish_reason for d in done]
-    assert all(d.timings.total_ms < 6000 for d in done)
+    assert all(d.timings.total_ms < 10_000 for d in done)
     assert all(results[j].error["code"] == "cannot_meet_deadline" for j in rejected)
-    # Rejections are quick: their final event is written long before the deadline.
+    # Rejections are quick: a job waits in the stream only while it could still make its
+    # deadline once a seat frees, so it is answered well before the 10 s deadline.
     waits = []
     for job_id in rejected:
         stored = await r.xrevrange(keys.job_events(job_id), count=1)
         waits.append(int(stored[0][0].split("-")[0]) - sent[job_id])
-    assert max(waits) < 2000, sorted(waits)
+    waits.sort()
+    print(f"rejection latency ms: p50 {waits[len(waits) // 2]}, max {waits[-1]}")
+    assert waits[len(waits) // 2] < 3000 and waits[-1] < 6000, waits
 
 
 async def test_cancel_a_queued_and_a_running_job(r: aioredis.Redis, workers: Workers) -> None:
@@ -189,25 +197,35 @@ async def test_interactive_lane_is_served_before_batch(r: aioredis.Redis, worker
     assert all(started[j] < first_batch for j in inter)
 
 
-async def test_killed_worker_jobs_complete_elsewhere_with_restarted(
+async def test_two_workers_one_killed_every_job_completes_with_restarted(
     r: aioredis.Redis, workers: Workers
 ) -> None:
-    victim = workers.start(max_num_seqs=4)
-    await wait_for_workers(r, 1)
-    jobs = [await submit(r, **{**LONG, "max_tokens": 600}) for _ in range(3)]
+    victim = workers.start(max_num_seqs=3)
+    survivor = workers.start(max_num_seqs=3)
+    await wait_for_workers(r, 2)
+    jobs = [await submit(r, **{**LONG, "max_tokens": 600}) for _ in range(6)]
     for job_id in jobs:
         await wait_started(r, job_id)
+    owner = {}
+    for job_id in jobs:
+        first_start = next(e for e in await events_of(r, job_id, timeout_s=5, final=False)
+                           if e["type"] == "started")
+        owner[job_id] = int(first_start["worker"].split("-")[-2])  # host-pid-suffix
+    assert set(owner.values()) == {victim.pid, survivor.pid}  # both were busy
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
-    workers.start(max_num_seqs=4)
     for job_id in jobs:
         events = await events_of(r, job_id)
-        assert "restarted" in types(events)
-        restart = types(events).index("restarted")
-        after = events[restart + 1 :]
-        assert after[0]["type"] == "started" and after[-1]["type"] == "done"
-        text = "".join(e["text"] for e in after if e["type"] == "token")
-        assert text == after[-1]["text"] and after[-1]["usage"]["completion_tokens"] == 600
+        assert events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == 600
+        if owner[job_id] == victim.pid:
+            restart = types(events).index("restarted")
+            after = events[restart + 1 :]
+            assert after[0]["type"] == "started" and after[0]["worker"].split("-")[-2] == str(
+                survivor.pid)
+            text = "".join(e["text"] for e in after if e["type"] == "token")
+            assert text == after[-1]["text"]
+        else:
+            assert "restarted" not in types(events)
     assert (await r.xpending(keys.lane_stream("interactive"), keys.CONSUMER_GROUP))["pending"] == 0
 
 
