@@ -40,6 +40,10 @@ class PagedAttentionMetadata:
     # Host copies of seq_lens and of the query lengths, so loops need no device sync.
     seq_lens_host: list[int]
     query_lens_host: list[int]
+    # Decode rows grouped by context length, each group with its longest context:
+    # padding every decode to the longest context wastes much of the gather and SDPA work
+    # when lengths differ. Empty: one group of all decodes (see ``decode_groups``).
+    decode_buckets: tuple[tuple[torch.Tensor, int], ...] = ()
 
     def __post_init__(self) -> None:
         lens = zip(self.seq_lens_host, self.query_lens_host, strict=True)
@@ -81,7 +85,27 @@ class PagedAttentionMetadata:
             max_seq_len=max(seq_lens, default=0),
             seq_lens_host=list(seq_lens),
             query_lens_host=list(query_lens),
+            decode_buckets=decode_buckets(list(seq_lens[:num_decodes]), device),
         )
+
+
+MIN_DECODES_PER_BUCKET = 8
+MAX_DECODE_BUCKETS = 4
+
+
+def decode_buckets(lens: list[int], device: torch.device | str
+                   ) -> tuple[tuple[torch.Tensor, int], ...]:
+    """Split decodes, sorted by context length, into up to 4 groups of at least 8, each with
+    its longest context. A single group is () (no reordering needed)."""
+    groups = min(MAX_DECODE_BUCKETS, len(lens) // MIN_DECODES_PER_BUCKET)
+    if groups <= 1:
+        return ()
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    size = -(-len(order) // groups)
+    return tuple(
+        (torch.tensor(rows, dtype=torch.long, device=device), max(lens[i] for i in rows))
+        for rows in (order[i : i + size] for i in range(0, len(order), size))
+    )
 
 
 def store_kv_ref(
@@ -195,7 +219,15 @@ def paged_attention(
     check_shapes(q, key_cache, value_cache, meta)
     nd, block_size = meta.num_decodes, key_cache.shape[1]
     decode = None
-    if nd:
+    if nd and meta.decode_buckets:
+        decode = torch.empty_like(q[:nd])
+        for rows, longest in meta.decode_buckets:
+            width = -(-longest // block_size)
+            decode[rows] = paged_decode_attention(
+                q[rows], key_cache, value_cache, meta.block_tables[rows, :width],
+                meta.seq_lens[rows], scale,
+            )
+    elif nd:
         width = -(-max(meta.seq_lens_host[:nd]) // block_size)  # trim padding to the longest
         decode = paged_decode_attention(
             q[:nd], key_cache, value_cache, meta.block_tables[:nd, :width], meta.seq_lens[:nd],

@@ -182,3 +182,20 @@ def test_paged_attention_names_a_token_count_mismatch() -> None:
     b = make_batch(DECODES, hq=4, hk=4, d=16, block_size=4, dtype=torch.float32)
     with pytest.raises(ValueError, match="tokens"):
         ops.paged_attention(b.q[1:], b.key_cache, b.value_cache, b.meta, b.scale)
+
+
+@pytest.mark.parametrize(("hq", "hk"), [(9, 3), (4, 4)])
+def test_many_decodes_are_bucketed_by_length_and_still_exact(hq: int, hk: int) -> None:
+    rng = random.Random(7)
+    # 37 decodes of very different lengths (so 4 length buckets), then two prefill chunks.
+    seqs = [(rng.randint(1, 200), 1) for _ in range(37)] + [(30, 30), (60, 11)]
+    batch = make_batch(seqs, hq=hq, hk=hk, d=16, block_size=4, dtype=torch.float32, seed=3)
+    buckets = batch.meta.decode_buckets
+    assert len(buckets) == 4 and sorted(i for rows, _ in buckets for i in rows.tolist()) == list(
+        range(37))
+    assert [longest for _, longest in buckets] == sorted(longest for _, longest in buckets)
+    out = ops.paged_attention(batch.q, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
+    assert torch.isfinite(out).all()
+    assert_close(out, batch.expected, torch.float32)
+    ref = paged_attention_ref(batch.q, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
+    assert_close(out, ref.double(), torch.float32)

@@ -555,3 +555,27 @@ async def test_auth_and_a_full_lane_answer_in_openais_shape(
 
         await aredis.xadd(keys.lane_stream("interactive"), {JOB_FIELD: "{}"})  # the backlog
         await in_thread(script)
+
+
+OPENAI_ROUTES = [
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/completions", {"model": "tidegate", "prompt": "hi", "max_tokens": 2}),
+    ("POST", "/v1/chat/completions",
+     {"model": "tidegate", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), OPENAI_ROUTES)
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer sk-wrong"},
+                                     {"Authorization": "Basic c2stZ29vZA=="}],
+                         ids=["no key", "wrong key", "not bearer"])
+async def test_every_openai_route_refuses_callers_without_a_valid_key(
+        redis_server: RedisServer, admission: Admission, redis_url: str, aredis: aioredis.Redis,
+        method: str, path: str, body: dict | None, headers: dict[str, str]) -> None:
+    with serve_stack(redis_server, admission, api_keys=["sk-good"]) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            response = await http.request(method, path, json=body, headers=headers)
+    assert response.status_code == 401
+    assert response.json()["error"]["type"] == "authentication_error"
+    assert "sk-good" not in response.text
+    assert await aredis.xlen(keys.lane_stream("interactive")) == 0  # nothing was enqueued
