@@ -26,6 +26,7 @@ import signal
 import socket
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -50,6 +51,7 @@ HEARTBEAT_EVERY_S = 5.0
 CANCEL_POLL_S = 0.05
 PEEK_EVERY_S = 0.1
 PEEK_COUNT = 16
+PROMPT_LEN_CACHE = 1024
 FINAL_STATUSES = frozenset({"done", "error", "rejected"})
 
 
@@ -84,6 +86,7 @@ class WorkerService:
         self._last_cancel_poll = 0.0
         self._last_reclaim = 0.0
         self._last_peek = 0.0
+        self._prompt_lens: OrderedDict[str, int] = OrderedDict()  # job id -> prompt tokens
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -270,10 +273,17 @@ class WorkerService:
                     await self._admit(delivery)
 
     def _prompt_len(self, job: Job) -> int:
-        try:
-            return len(self.tokenizer.encode_prompt(job.prompt, job.messages))
-        except ValueError:
-            return 0  # _admit will answer it with the proper error
+        # A full worker peeks at the same waiting jobs every PEEK_EVERY_S: tokenize each once.
+        n = self._prompt_lens.get(job.id)
+        if n is None:
+            try:
+                n = len(self.tokenizer.encode_prompt(job.prompt, job.messages))
+            except ValueError:
+                n = 0  # _admit will answer it with the proper error
+            self._prompt_lens[job.id] = n
+            if len(self._prompt_lens) > PROMPT_LEN_CACHE:
+                self._prompt_lens.popitem(last=False)
+        return n
 
     def _commitments(self, now: int) -> list[tuple[int, float]]:
         """(tokens left to generate, seconds left) of every running job."""
