@@ -15,6 +15,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from kernels.native_cpu import native_decode_applies, native_kernels
+
 
 @dataclass(frozen=True, slots=True)
 class PagedAttentionMetadata:
@@ -215,11 +217,23 @@ def paged_attention(
     meta: PagedAttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """The step's attention: decodes batched, prefill chunks per sequence -> [T, Hq, D]."""
+    """The step's attention: decodes batched, prefill chunks per sequence -> [T, Hq, D].
+
+    Decodes in float32 on the CPU go to the native kernel, which reads the cache in place;
+    elsewhere (and with ``TIDEGATE_KERNELS=reference``) to the gather + SDPA path below.
+    """
     check_shapes(q, key_cache, value_cache, meta)
     nd, block_size = meta.num_decodes, key_cache.shape[1]
     decode = None
-    if nd and meta.decode_buckets:
+    if nd and native_decode_applies(q):
+        native = native_kernels()
+        assert native is not None
+        width = -(-max(meta.seq_lens_host[:nd]) // block_size)
+        decode = native.paged_decode(q[:nd], key_cache, value_cache,
+                                     meta.block_tables[:nd, :width], meta.seq_lens[:nd], scale)
+        if nd == len(meta.seq_lens_host):
+            return decode
+    elif nd and meta.decode_buckets:
         decode = torch.empty_like(q[:nd])
         for rows, longest in meta.decode_buckets:
             width = -(-longest // block_size)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import ops
+from kernels.native_cpu import native_kernels
 from kernels.paged_attention import PagedAttentionMetadata
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker.models.llama import LlamaModel
@@ -55,6 +56,9 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(model.cfg, spec, self.dtype, self.device)
         self.scale = model.cfg.head_dim ** -0.5
         self.sampler = Sampler(self.device)
+        # Build (or load) the native CPU kernels now, not inside the first step a job waits on.
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            native_kernels()
 
     def run(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> SamplerOutput:
         """Compute every scheduled chunk; sample the next token of each sampling chunk."""

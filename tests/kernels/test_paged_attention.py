@@ -106,12 +106,15 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(actual.double(), expected.double(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("mode", ["auto", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("d", "block_size"), [(64, 16), (16, 4), (64, 4), (16, 16)])
 @pytest.mark.parametrize(("hq", "hk"), GQA)
 def test_mixed_batch_matches_reference_and_dense_attention(
-    hq: int, hk: int, d: int, block_size: int, dtype: torch.dtype
+    hq: int, hk: int, d: int, block_size: int, dtype: torch.dtype, mode: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("TIDEGATE_KERNELS", mode)  # auto: float32 decodes go native
     b = make_batch(MIXED, hq=hq, hk=hk, d=d, block_size=block_size, dtype=dtype, share=(4, 7))
     assert b.meta.num_decodes == 5
     out = ops.paged_attention(b.q, b.key_cache, b.value_cache, b.meta, b.scale)
@@ -185,7 +188,10 @@ def test_paged_attention_names_a_token_count_mismatch() -> None:
 
 
 @pytest.mark.parametrize(("hq", "hk"), [(9, 3), (4, 4)])
-def test_many_decodes_are_bucketed_by_length_and_still_exact(hq: int, hk: int) -> None:
+def test_many_decodes_are_bucketed_by_length_and_still_exact(
+    hq: int, hk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIDEGATE_KERNELS", "reference")  # buckets serve the torch path
     rng = random.Random(7)
     # 37 decodes of very different lengths (so 4 length buckets), then two prefill chunks.
     seqs = [(rng.randint(1, 200), 1) for _ in range(37)] + [(30, 30), (60, 11)]

@@ -1,0 +1,147 @@
+"""The native CPU decode kernel: exact against dense attention, wired into dispatch, and
+falling back (or failing loudly, when asked for) where it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels.native_cpu as native_cpu
+from kernels import ops
+from kernels.paged_attention import paged_decode_attention
+from tests.kernels.test_paged_attention import MIXED, assert_close, make_batch
+
+
+@pytest.fixture
+def fresh_native(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Forget any loaded library and build into an empty cache directory."""
+    monkeypatch.setattr(native_cpu, "_loaded", {})
+    monkeypatch.setenv("TIDEGATE_KERNEL_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def native() -> native_cpu.NativeCpuKernels:
+    lib = native_cpu.native_kernels()
+    assert lib is not None
+    return lib
+
+
+@pytest.mark.parametrize(("hq", "hk", "d"), [(4, 4, 16), (9, 3, 64), (8, 2, 128), (32, 8, 64)])
+@pytest.mark.parametrize("block_size", [16, 4, 1])
+def test_decode_kernel_matches_dense_attention(hq: int, hk: int, d: int, block_size: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDEGATE_KERNELS", "native")
+    rng = random.Random(hq * 1000 + d + block_size)
+    # Short and long contexts, one of a single token, one ending exactly on a block boundary.
+    seqs = [(1, 1), (block_size * 3, 1)] + [(rng.randint(2, 300), 1) for _ in range(6)]
+    b = make_batch(seqs, hq=hq, hk=hk, d=d, block_size=block_size, dtype=torch.float32,
+                   seed=block_size)
+    meta = b.meta
+    out = native().paged_decode(b.q, b.key_cache, b.value_cache, meta.block_tables,
+                                meta.seq_lens, b.scale)
+    assert_close(out, b.expected, torch.float32)
+
+
+def test_decode_kernel_is_stable_for_large_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scores in the hundreds: a naive exp overflows; the kernel's softmax must not."""
+    monkeypatch.setenv("TIDEGATE_KERNELS", "native")
+    b = make_batch([(900, 1), (17, 1)], hq=4, hk=2, d=32, block_size=16,
+                   dtype=torch.float32, seed=5)
+    q = b.q * 40
+    out = native().paged_decode(q, b.key_cache, b.value_cache, b.meta.block_tables,
+                                b.meta.seq_lens, b.scale)
+    ref = paged_decode_attention(q, b.key_cache, b.value_cache, b.meta.block_tables,
+                                 b.meta.seq_lens, b.scale)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["native", "reference"])
+def test_dispatch_gives_the_same_attention_in_either_mode(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIDEGATE_KERNELS", mode)
+    b = make_batch(MIXED, hq=9, hk=3, d=64, block_size=16, dtype=torch.float32, share=(4, 7))
+    out = ops.paged_attention(b.q, b.key_cache, b.value_cache, b.meta, b.scale)
+    assert_close(out, b.expected, torch.float32)
+
+
+def test_auto_mode_uses_the_native_kernel_for_float32_cpu_decodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TIDEGATE_KERNELS", "auto")
+    calls: list[int] = []
+    lib = native()
+    real = lib.paged_decode
+    monkeypatch.setattr(lib, "paged_decode", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    b = make_batch(MIXED, hq=9, hk=3, d=16, block_size=4, dtype=torch.float32)
+    ops.paged_attention(b.q, b.key_cache, b.value_cache, b.meta, b.scale)
+    assert calls == [b.meta.num_decodes]
+    # bfloat16 stays on the torch path.
+    bb = make_batch(MIXED, hq=9, hk=3, d=16, block_size=4, dtype=torch.bfloat16)
+    ops.paged_attention(bb.q, bb.key_cache, bb.value_cache, bb.meta, bb.scale)
+    assert calls == [b.meta.num_decodes]
+
+
+def test_build_is_cached_per_source_and_cpu(fresh_native: Path) -> None:
+    first = native_cpu.build()
+    assert first.parent == fresh_native and first.suffix == ".so"
+    mtime = first.stat().st_mtime_ns
+    assert native_cpu.build() == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in fresh_native.iterdir()] == [first.name]  # no temporary left over
+
+
+def test_without_a_compiler_auto_falls_back_and_native_fails_loudly(
+    fresh_native: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", str(fresh_native / "no-such-cc"))
+    monkeypatch.setenv("TIDEGATE_KERNELS", "native")
+    with pytest.raises(native_cpu.NativeBuildError, match="no-such-cc"):
+        native_cpu.native_kernels()
+    monkeypatch.setenv("TIDEGATE_KERNELS", "auto")
+    with caplog.at_level(logging.WARNING, logger="tidegate.kernels"):
+        assert native_cpu.native_kernels() is None
+    assert "using plain torch" in caplog.text
+    b = make_batch(MIXED, hq=4, hk=2, d=16, block_size=4, dtype=torch.float32)
+    out = ops.paged_attention(b.q, b.key_cache, b.value_cache, b.meta, b.scale)
+    assert_close(out, b.expected, torch.float32)
+
+
+def test_a_compile_error_is_reported_with_the_compiler_output(
+    fresh_native: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken = fresh_native / "broken.c"
+    broken.write_text("int f( {\n")
+    with pytest.raises(native_cpu.NativeBuildError, match="broken.c"):
+        native_cpu.build(broken)
+    assert list(fresh_native.glob("*.so")) == []
+
+
+def test_reference_mode_never_builds(fresh_native: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDEGATE_KERNELS", "reference")
+    assert native_cpu.native_kernels() is None
+    assert list(fresh_native.iterdir()) == []
+
+
+def test_an_unknown_mode_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDEGATE_KERNELS", "fast")
+    with pytest.raises(ValueError, match="TIDEGATE_KERNELS must be one of"):
+        native_cpu.native_kernels()
+
+
+def test_wrapper_rejects_what_the_kernel_cannot_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDEGATE_KERNELS", "native")
+    b = make_batch([(20, 1)], hq=4, hk=2, d=16, block_size=4, dtype=torch.float32)
+    meta = b.meta
+    with pytest.raises(ValueError, match="float32"):
+        native().paged_decode(b.q.double(), b.key_cache, b.value_cache, meta.block_tables,
+                              meta.seq_lens, b.scale)
+    with pytest.raises(ValueError, match="does not fit"):
+        native().paged_decode(b.q[:, :3], b.key_cache, b.value_cache, meta.block_tables,
+                              meta.seq_lens, b.scale)
+    with pytest.raises(ValueError, match="one row per query"):
+        native().paged_decode(b.q, b.key_cache, b.value_cache, meta.block_tables[:0],
+                              meta.seq_lens, b.scale)
