@@ -4,12 +4,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tidegate-installed
 
-.PHONY: up test setup redis-server lint clean
+.PHONY: up test setup redis-server browser lint clean
 
 up: setup
 	$(BIN)/tidegate up
 
-test: setup redis-server
+test: setup redis-server browser
 	$(BIN)/python -m pytest -q
 
 setup: $(STAMP)
@@ -25,6 +25,11 @@ $(STAMP): pyproject.toml
 
 redis-server:
 	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
+
+# Headless Chromium and its driver for tests/streaming/test_web_page.py (Selenium uses these,
+# never a downloaded browser).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver; }
 
 lint: setup
 	$(BIN)/ruff check .

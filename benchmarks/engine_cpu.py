@@ -177,6 +177,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--extra-dtype", default="", help="also run tidegate in this dtype")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians kept")
+    ap.add_argument("--mixed-only", action="store_true",
+                    help="only the mixed workload (quick check; prints, writes nothing)")
     ap.add_argument("--out", default="benchmarks/results/engine_cpu.json")
     ap.add_argument("--plot", default="benchmarks/results/engine_cpu.png")
     args = ap.parse_args()
@@ -197,6 +199,11 @@ def main() -> None:
         runs = [
             run_hf_static(f"mixed HF generate static ({args.dtype})", hf, mixed, pad),
             run_tidegate(f"mixed tidegate ({args.dtype})", loaded, mixed),
+        ]
+        if args.mixed_only:
+            rounds.append(runs)
+            continue
+        runs += [
             run_hf_static(f"batch1 HF generate ({args.dtype})", hf, one, pad),
             run_tidegate(f"batch1 tidegate ({args.dtype})", loaded, one),
             run_tidegate("prefix tidegate, prefix caching off", loaded, shared,
@@ -208,6 +215,12 @@ def main() -> None:
             runs.append(run_tidegate(f"mixed tidegate ({args.extra_dtype})", extra, mixed))
         rounds.append(runs)
     runs = [median_run(same) for same in zip(*rounds, strict=True)]
+    if args.mixed_only:
+        hf_mixed, tg_mixed = runs
+        print(f"mixed: tidegate {tg_mixed.tokens_per_s:.1f} vs HF {hf_mixed.tokens_per_s:.1f} "
+              f"out tok/s = {tg_mixed.tokens_per_s / hf_mixed.tokens_per_s:.2f}x "
+              f"({tg_mixed.name}; {hf_mixed.name})")
+        return
     results = {
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "threads": torch.get_num_threads(), "torch": torch.__version__},

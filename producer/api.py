@@ -29,7 +29,10 @@ from producer.admission import Admission, AdmissionError
 from producer.backlog import LaneBacklog, LaneFull
 from producer.errors import FieldError, error_body, field_errors
 from producer.idempotency import Claim, ClaimInProgress
+from producer.refusal import Refusal, refusal_of
+from producer.socket_submit import SocketSubmit
 from tidegate.auth import Auth, AuthError, job_access, new_stream_token, token_hash
+from tidegate.event_hub import EventHub
 from tidegate.jobstore import enqueue, read_result, request_cancel
 from tidegate.protocol import Job, JobRequest
 from tidegate.redis_conn import connect
@@ -37,22 +40,6 @@ from tidegate.settings import Settings
 
 # Far above any admissible prompt (1M characters, escaped); refused before it is buffered.
 MAX_BODY_BYTES = 16 * 1024 * 1024
-
-
-class Refusal(Exception):
-    """An error response, raised anywhere in a handler and rendered in one place."""
-
-    def __init__(self, status: int, type: str, message: str, fields: list[FieldError] | None = None,
-                 *, headers: Mapping[str, str] | None = None,
-                 extra: Mapping[str, object] | None = None):
-        super().__init__(message)
-        self.status, self.type, self.message, self.fields = status, type, message, fields
-        self.headers = headers
-        self.extra = extra or {}  # keys some errors add to the body, e.g. a job's ``status``
-
-    def response(self) -> JSONResponse:
-        body = error_body(self.type, self.message, self.fields, **self.extra)
-        return JSONResponse(body, self.status, headers=self.headers)
 
 
 class ProducerAPI:
@@ -67,6 +54,7 @@ class ProducerAPI:
                                     partitions=settings.lane_partitions,
                                     retry_after_s=settings.retry_after_s)
         self._redis: aioredis.Redis | None = None
+        self._hub: EventHub | None = None
         self.routes: list[BaseRoute] = [
             Route("/v1/jobs", self.submit, methods=["POST"]),
             Route("/v1/jobs/{job_id}", self.get_job, methods=["GET"]),
@@ -81,6 +69,7 @@ class ProducerAPI:
         from producer.openai_api import OpenAIRoutes
 
         self.routes += OpenAIRoutes(self).routes
+        self.routes += SocketSubmit(self).routes
 
     async def start(self) -> None:
         """Load the tokenizer (if none was given) and open the Redis client."""
@@ -89,8 +78,13 @@ class ProducerAPI:
             self._admission = await anyio.to_thread.run_sync(
                 Admission.for_model, self.settings.model)
         self._redis = connect(self.settings.redis_url)
+        self._hub = EventHub(self._redis, queue_size=self.settings.watcher_queue_size)
+        await self._hub.start()
 
     async def stop(self) -> None:
+        if self._hub is not None:
+            await self._hub.stop()
+            self._hub = None
         if self._redis is not None:
             await self._redis.aclose()
             self._redis = None
@@ -120,15 +114,28 @@ class ProducerAPI:
     async def _submit(self, request: Request) -> Response:
         tenant = self.auth.tenant(request.headers.get("authorization"))
         body = _with_header_key(await _read_json(request), request.headers.get("idempotency-key"))
+        claim, status, code = await self.accept(tenant, body)
+        return self._accepted(request, claim, status, code)
+
+    async def accept(self, tenant: str, body: Any) -> tuple[Claim, str, int]:
+        """Validate, admit and enqueue a submitted body for ``tenant``: (claim, status, 202),
+        or the earlier job's (claim, status, 200) for a repeated ``idempotency_key``.
+
+        Raises ``Refusal``, ``LaneFull``, ``ClaimInProgress`` or ``RedisError``; ``refusal_of``
+        turns each into the API's error.
+        """
         job_request = _validated(body)
         key = job_request.idempotency_key
         redis = self._connected()
         if key is not None and (earlier := await idempotency.replay(redis, tenant, key)):
-            return self._accepted(request, earlier.claim, earlier.status, 200)
+            return earlier.claim, earlier.status, 200
         job = await self._admitted_job(job_request)
         claim = Claim(job_id=job.id, stream_token=new_stream_token(), created_ms=job.created_ms)
         if key is not None and not await idempotency.claim(redis, tenant, key, claim):
-            return await self._replay_twin(request, tenant, key)
+            twin = await idempotency.replay(redis, tenant, key)  # the concurrent submit's
+            if twin is None:
+                raise ClaimInProgress("a submit with this idempotency key failed just now; retry")
+            return twin.claim, twin.status, 200
         try:
             await self._enqueue(job, tenant=tenant, stream_token=claim.stream_token)
         except RedisError:
@@ -136,7 +143,7 @@ class ProducerAPI:
                 with contextlib.suppress(RedisError):
                     await idempotency.release(redis, tenant, key, claim)
             raise
-        return self._accepted(request, claim, "queued", 202)
+        return claim, "queued", 202
 
     async def _admitted_job(self, job_request: JobRequest) -> Job:
         """The job to enqueue, once admission and the lane's backlog allow it."""
@@ -149,13 +156,6 @@ class ProducerAPI:
         await enqueue(self._connected(), job, ttl_s=self.settings.job_ttl_s, owner=tenant,
                       stream_token_hash=hashed)
         self._backlog.note_enqueued(job.lane)
-
-    async def _replay_twin(self, request: Request, tenant: str, key: str) -> Response:
-        """The answer of the concurrent submit that claimed ``key`` first."""
-        twin = await idempotency.replay(self._connected(), tenant, key)
-        if twin is None:
-            raise ClaimInProgress("a submit with this idempotency key failed just now; retry")
-        return self._accepted(request, twin.claim, twin.status, 200)
 
     async def _get_job(self, request: Request) -> Response:
         job_id = await self._authorized_job(request)
@@ -206,6 +206,17 @@ class ProducerAPI:
             raise RuntimeError("ProducerAPI.start() was not called")
         return self._redis
 
+    @property
+    def redis(self) -> aioredis.Redis:
+        return self._connected()
+
+    @property
+    def hub(self) -> EventHub:
+        """Multiplexes the watchers of ``/v1/stream`` over one pub/sub connection."""
+        if self._hub is None:
+            raise RuntimeError("ProducerAPI.start() was not called")
+        return self._hub
+
     def _stream_url(self, request: Request, job_id: str) -> str:
         base = self.settings.gateway_url or _ws_base(request)
         return f"{base.rstrip('/')}/v1/jobs/{job_id}/stream"
@@ -231,17 +242,8 @@ async def _answer(handling: Awaitable[Response]) -> Response:
     """A handler's response, or the one JSON error shape for whatever refusal it raised."""
     try:
         return await handling
-    except Refusal as refusal:
-        return refusal.response()
-    except AuthError as exc:
-        return Refusal(exc.status, exc.type, str(exc), headers=exc.headers).response()
-    except LaneFull as exc:
-        return _queue_full(exc).response()
-    except ClaimInProgress as exc:
-        fields = [FieldError(field="idempotency_key", reason=str(exc))]
-        return Refusal(409, "conflict", str(exc), fields).response()
-    except RedisError as exc:
-        return _unavailable(exc).response()
+    except (Refusal, AuthError, LaneFull, ClaimInProgress, RedisError) as exc:
+        return refusal_of(exc).response()
 
 
 async def _read_json(request: Request) -> Any:
@@ -293,18 +295,6 @@ def _too_large() -> Refusal:
 
 def _not_found(job_id: str) -> Refusal:
     return Refusal(404, "not_found", f"no job with id {job_id!r}")
-
-
-def _queue_full(exc: LaneFull) -> Refusal:
-    fields = [FieldError(field="lane", reason=f"{exc.backlog} jobs waiting, at most "
-                                              f"{exc.max_backlog}")]
-    return Refusal(429, "queue_full", str(exc), fields,
-                   headers={"Retry-After": str(exc.retry_after_s)}, extra={"lane": exc.lane})
-
-
-def _unavailable(exc: RedisError) -> Refusal:
-    message = f"the job store is unavailable ({type(exc).__name__}); retry later"
-    return Refusal(503, "service_unavailable", message)
 
 
 def _ws_base(request: Request) -> str:

@@ -1,57 +1,79 @@
-"""The WebSocket gateway: every event of a job relayed from Redis to each client watching it.
+"""The gateway: every event of a job relayed from Redis to each client watching it.
 
-``WS /v1/jobs/{id}/stream`` sends the job's events (those after ``?last_event_id=N``, if given)
-as text frames holding the exact JSON the worker wrote: first the stored ones, then live ones,
-with no gap and no duplicate (``tidegate.event_feed.follow``), and closes with 1000 after the
-final event. A watcher shows the owner's ``Authorization: Bearer <key>`` or the job's
-``?token=<stream_token>`` (``tidegate.auth``). Close codes: 4401 no or unknown credentials,
-4403 another tenant's key or a wrong token, 4404 unknown job, 4400 bad query, 1013 Redis
-unavailable.
+Routes:
+* ``WS /v1/jobs/{id}/stream[?last_event_id=N]``: the job's events after N (all when absent),
+  then live ones, no gap and no duplicate; protocol and close codes in ``tidegate.ws_relay``.
+* ``GET /v1/jobs/{id}/events``: the same as Server-Sent Events (``id:`` is the event id, so a
+  browser's ``EventSource`` resumes by itself with ``Last-Event-ID``).
+* ``GET /v1/queue``: queue depth per lane, running jobs, live workers, tokens/s.
+* ``GET /``: the live web page (``streaming/static``).
+* ``GET /healthz``.
+
+A watcher shows the owner's ``Authorization: Bearer <key>`` or the job's ``?token=<stream
+token>`` (``tidegate.auth``). One ``EventHub`` per process multiplexes every watcher over a
+single Redis pub/sub connection; each watcher has a bounded queue, and one that falls further
+behind is cut (1013 / end of the SSE stream) without slowing anyone else.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Route, WebSocketRoute
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket
 
 from tidegate.auth import Auth, AuthError, job_access
-from tidegate.event_feed import follow
+from tidegate.event_hub import EventHub, Lagging
+from tidegate.queue_stats import queue_stats
 from tidegate.redis_conn import connect
 from tidegate.settings import Settings
+from tidegate.ws_relay import CLOSE_BAD_REQUEST, CLOSE_TRY_AGAIN, CLOSE_UNKNOWN_JOB, close, relay
 
-CLOSE_DONE = 1000
-CLOSE_TRY_AGAIN = 1013
-CLOSE_BAD_REQUEST = 4400
-CLOSE_UNKNOWN_JOB = 4404
+STATIC = Path(__file__).with_name("static")
+SSE_KEEPALIVE_S = 15.0
 
 
 class Gateway:
-    """The gateway's routes and the Redis client and auth they share."""
+    """The gateway's routes and the Redis client, event hub and auth they share."""
 
     def __init__(self, settings: Settings, *, auth: Auth | None = None):
         self.settings = settings
         self.auth = auth if auth is not None else Auth.from_settings(settings)
         self._redis: aioredis.Redis | None = None
+        self._hub: EventHub | None = None
         self.routes: list[BaseRoute] = [
             WebSocketRoute("/v1/jobs/{job_id}/stream", self.stream),
+            Route("/v1/jobs/{job_id}/events", self.events, methods=["GET"]),
+            Route("/v1/queue", self.queue, methods=["GET"]),
+            Route("/", self.page, methods=["GET"]),
+            Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
             Route("/healthz", self.healthz, methods=["GET"]),
         ]
+
+    @property
+    def hub(self) -> EventHub:
+        if self._hub is None:
+            raise RuntimeError("Gateway.start() was not called")
+        return self._hub
 
     async def start(self) -> None:
         self.auth.start()
         self._redis = connect(self.settings.redis_url)
+        self._hub = EventHub(self._redis, queue_size=self.settings.watcher_queue_size)
+        await self._hub.start()
 
     async def stop(self) -> None:
+        if self._hub is not None:
+            await self._hub.stop()
+            self._hub = None
         if self._redis is not None:
             await self._redis.aclose()
             self._redis = None
@@ -59,64 +81,82 @@ class Gateway:
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    async def page(self, request: Request) -> Response:
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    async def queue(self, request: Request) -> Response:
+        """``GET /v1/queue``: the live queue (any valid key when auth is on)."""
+        try:
+            self.auth.tenant(request.headers.get("authorization"))
+            stats = await queue_stats(self._connected(), self.settings.lane_partitions)
+        except AuthError as exc:
+            return _error(exc.status, exc.type, str(exc))
+        except RedisError:
+            return _error(503, "unavailable", "the queue store is unavailable")
+        return JSONResponse(stats.to_dict(), headers={"Cache-Control": "no-store"})
+
     async def stream(self, ws: WebSocket) -> None:
-        """Relay one job's events to one client, then close."""
+        """Relay one job's events to one WebSocket client, then close."""
         await ws.accept()
         job_id = ws.path_params["job_id"]
-        after_id = _after_id(ws.query_params.get("last_event_id"))
+        after_id = resume_point(ws.query_params.get("last_event_id"))
         if after_id is None:
-            return await _close(ws, CLOSE_BAD_REQUEST, "last_event_id must be an integer >= 0")
+            return await close(ws, CLOSE_BAD_REQUEST, "last_event_id must be an integer >= 0")
         try:
-            if not await self._may_watch(ws, job_id):
-                return await _close(ws, CLOSE_UNKNOWN_JOB, "unknown job")
-            finished = await self._relay(ws, job_id, after_id)
+            if not await self._may_watch(ws.headers.get("authorization"),
+                                         ws.query_params.get("token"), job_id):
+                return await close(ws, CLOSE_UNKNOWN_JOB, "unknown job")
+            await relay(ws, self.hub, job_id, after_id)
         except AuthError as exc:
-            return await _close(ws, exc.close_code, str(exc))
+            return await close(ws, exc.close_code, str(exc))
         except RedisError:
-            return await _close(ws, CLOSE_TRY_AGAIN, "the event store is unavailable")
-        if finished:
-            await _close(ws, CLOSE_DONE, "done")
+            return await close(ws, CLOSE_TRY_AGAIN, "the event store is unavailable")
 
-    async def _may_watch(self, ws: WebSocket, job_id: str) -> bool:
+    async def events(self, request: Request) -> Response:
+        """``GET /v1/jobs/{id}/events``: Server-Sent Events, resuming after ``Last-Event-ID``."""
+        job_id = request.path_params["job_id"]
+        raw = request.headers.get("last-event-id", request.query_params.get("last_event_id"))
+        after_id = resume_point(raw)
+        if after_id is None:
+            return _error(400, "invalid_request", "Last-Event-ID must be an integer >= 0",
+                          field="last_event_id")
+        try:
+            if not await self._may_watch(request.headers.get("authorization"),
+                                         request.query_params.get("token"), job_id):
+                return _error(404, "not_found", f"no job {job_id!r}")
+        except AuthError as exc:
+            return _error(exc.status, exc.type, str(exc))
+        except RedisError:
+            return _error(503, "unavailable", "the event store is unavailable")
+        return StreamingResponse(
+            self._sse(job_id, after_id), media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _sse(self, job_id: str, after_id: int) -> AsyncIterator[str]:
+        # ``retry`` tells EventSource how soon to come back after a cut (lagging, restart).
+        yield "retry: 1000\n\n"
+        try:
+            async with self.hub.watch(job_id, after_id) as watch:
+                while not watch.finished:
+                    event = await watch.next(timeout=SSE_KEEPALIVE_S)
+                    if event is None:
+                        yield ": keepalive\n\n"  # a comment: keeps proxies from timing out
+                    else:
+                        yield f"id: {event.id}\ndata: {event.raw}\n\n"
+        except StopAsyncIteration:
+            return  # resumed after the final event
+        except (Lagging, RedisError):
+            return  # the client reconnects with Last-Event-ID and resumes exactly
+
+    async def _may_watch(self, authorization: str | None, token: str | None,
+                         job_id: str) -> bool:
         """False for an unknown job; ``AuthError`` if this client may not watch it."""
-        authorization, token = ws.headers.get("authorization"), ws.query_params.get("token")
         if token is None:
-            self.auth.tenant(authorization)  # no credentials: 4401 before the job is looked up
+            self.auth.tenant(authorization)  # no credentials: 401 before the job is looked up
         access = await job_access(self._connected(), job_id)
         if access is None:
             return False
         self.auth.check_stream(access, authorization=authorization, token=token)
-        return True
-
-    async def _relay(self, ws: WebSocket, job_id: str, after_id: int) -> bool:
-        """Send events until the final one (True) or until the client leaves (False).
-
-        Waiting for the client's disconnect beside the relay is what frees the subscription
-        of a client that leaves while the job is quiet (queued), not only mid-stream.
-        """
-        sender = asyncio.create_task(self._send_events(ws, job_id, after_id))
-        listener = asyncio.create_task(_until_disconnect(ws))
-        try:
-            await asyncio.wait({sender, listener}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            # A plain task cancel (not a level-triggered cancel scope) lets follow()'s
-            # cleanup await the release of its pub/sub connection.
-            sender.cancel()
-            listener.cancel()
-            await asyncio.wait({sender, listener})
-        if not listener.cancelled():
-            listener.exception()  # retrieved: a broken receive channel only means "gone"
-        if sender.cancelled():
-            return False
-        return sender.result()
-
-    async def _send_events(self, ws: WebSocket, job_id: str, after_id: int) -> bool:
-        try:
-            async with contextlib.aclosing(follow(self._connected(), job_id, after_id=after_id)) as feed:
-                async for event in feed:
-                    await ws.send_text(event.raw)
-        except WebSocketDisconnect:
-            return False
         return True
 
     def _connected(self) -> aioredis.Redis:
@@ -140,18 +180,15 @@ def create_app(settings: Settings) -> Starlette:
     return Starlette(routes=gateway.routes, lifespan=lifespan)
 
 
-def _after_id(raw: str | None) -> int | None:
-    """The ``last_event_id`` query parameter: 0 when absent, None when malformed."""
-    if raw is None:
+def resume_point(raw: str | None) -> int | None:
+    """A ``last_event_id``: 0 when absent, None when malformed."""
+    if raw is None or raw == "":
         return 0
     return int(raw) if raw.isdigit() and len(raw) <= 18 else None
 
 
-async def _until_disconnect(ws: WebSocket) -> None:
-    while (await ws.receive())["type"] != "websocket.disconnect":
-        pass  # nothing a client sends means anything here
+def _error(status: int, type: str, message: str, *, field: str | None = None) -> JSONResponse:
+    """The API's error shape: ``{"error": {"type", "message", "fields": [{field, reason}]}}``."""
+    fields = [{"field": field, "reason": message}] if field is not None else []
+    return JSONResponse({"error": {"type": type, "message": message, "fields": fields}}, status)
 
-
-async def _close(ws: WebSocket, code: int, reason: str) -> None:
-    with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-        await ws.close(code, reason)  # the client may already be gone

@@ -64,6 +64,14 @@ class RedisServer:
         self.stop()
         self.start()
 
+    def flush(self) -> None:
+        """Empty every database: a stack started now sees no job an earlier test left queued."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        client = redis.Redis(port=self.port)
+        client.flushall()
+        client.close()
+
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:

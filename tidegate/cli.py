@@ -48,11 +48,18 @@ def _check_model(spec: str) -> None:
         raise CliError(str(exc)) from None
 
 
+# Shared by every server role. Per-message deflate is off: token frames are ~200 bytes, and
+# compressing each one for each of thousands of watchers would cost the fan-out most of its CPU.
+UVICORN_OPTIONS: dict[str, object] = {
+    "ws": "websockets-sansio", "ws_per_message_deflate": False, "backlog": 4096,
+}
+
+
 def _serve_asgi(app, settings) -> int:  # noqa: ANN001
     import uvicorn
 
     uvicorn.run(app, host=settings.host, port=settings.port,
-                log_level=settings.log_level.lower(), ws="websockets-sansio")
+                log_level=settings.log_level.lower(), **UVICORN_OPTIONS)
     return 0
 
 

@@ -33,14 +33,14 @@ class FeedEvent:
         return json.loads(self.raw)
 
 
-def _parse(raw: str) -> FeedEvent:
+def parse_event(raw: str) -> FeedEvent:
     obj = json.loads(raw)
     return FeedEvent(id=int(obj["id"]), type=str(obj["type"]), raw=raw)
 
 
 async def stored_events(redis: aioredis.Redis, job_id: str, after_id: int = 0) -> list[FeedEvent]:
     entries = await redis.xrange(keys.job_events(job_id))
-    events = [_parse(fields[EVENT_FIELD]) for _, fields in entries]
+    events = [parse_event(fields[EVENT_FIELD]) for _, fields in entries]
     return [e for e in events if e.id > after_id]
 
 
@@ -69,7 +69,7 @@ async def follow(
                 # Quiet channel: the stream is the truth, so look there for anything missed.
                 pending = await stored_events(redis, job_id, last)
             else:
-                event = _parse(msg["data"])
+                event = parse_event(msg["data"])
                 if event.id <= last:
                     continue
                 pending = [event] if event.id == last + 1 else await stored_events(redis, job_id, last)

@@ -147,10 +147,23 @@ async def _wait_for_worker(settings: Settings, proc: subprocess.Popen) -> bool:
 async def _serve(settings: Settings) -> int:
     import uvicorn
 
+    from tidegate.cli import UVICORN_OPTIONS
+
+    class UpServer(uvicorn.Server):
+        """uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down, which would kill
+        this process before it stops its worker (an orphan under docker stop or systemd);
+        ``up`` stops the worker and returns instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # noqa: ANN202
+            with super().capture_signals():
+                yield
+                getattr(self, "_captured_signals", []).clear()
+
     worker = _spawn_worker(settings)
-    server = uvicorn.Server(uvicorn.Config(
+    server = UpServer(uvicorn.Config(
         combined_app(settings), host=settings.host, port=settings.port,
-        log_level=settings.log_level.lower(), ws="websockets-sansio", lifespan="on",
+        log_level=settings.log_level.lower(), lifespan="on", **UVICORN_OPTIONS,
     ))
 
     async def watch_worker() -> None:

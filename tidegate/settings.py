@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     # Base URL clients stream from (ws:// or wss://); None: the API's own address, ws scheme.
     gateway_url: str | None = None
     lane_partitions: int = Field(default=1, ge=1)
+    # Events a watcher (WebSocket or SSE client) may fall behind before it is cut off (1013).
+    watcher_queue_size: int = Field(default=1024, ge=1)
     job_ttl_s: int = Field(default=24 * 3600, ge=60)
     log_level: str = "INFO"
     # API keys (TIDEGATE_API_KEYS: "k1,k2" or a JSON list), and/or a file of one key per line

@@ -20,6 +20,7 @@ while the model computes.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -315,11 +316,18 @@ class WorkerService:
                 log.warning("keepalive failed: %s", exc)
 
     async def _heartbeat(self) -> None:
+        """Keep the worker's key alive, holding its load for ``tidegate.queue_stats``."""
         key = keys.worker_heartbeat(self.worker_id)
+        stats = self.engine.stats
+        last_t, last_tokens = time.monotonic(), stats.decode_tokens
         while True:
+            now, tokens = time.monotonic(), stats.decode_tokens
+            rate = (tokens - last_tokens) / max(now - last_t, 1e-3)
+            last_t, last_tokens = now, tokens
+            beat = {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
+                    "tokens_per_s": round(rate, 1), "kv_usage": round(self.engine.blocks.usage, 4)}
             try:
-                await self.redis.set(key, str(self.engine.num_active),
-                                     ex=keys.WORKER_HEARTBEAT_TTL_S)
+                await self.redis.set(key, json.dumps(beat), ex=keys.WORKER_HEARTBEAT_TTL_S)
             except RedisError as exc:  # the main loop sees the outage too; keep beating
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(HEARTBEAT_EVERY_S)

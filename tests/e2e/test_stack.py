@@ -28,6 +28,7 @@ TIDEGATE = [sys.executable, "-m", "tidegate.cli"]
 
 @pytest.fixture(scope="module")
 def stack(redis_server) -> Iterator[str]:  # noqa: ANN001
+    redis_server.flush()  # no job left queued by an earlier test reaches this worker
     port = free_port()
     env = {**os.environ, "TIDEGATE_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen(
@@ -82,6 +83,37 @@ async def test_late_websocket_client_receives_the_whole_stream(stack: str) -> No
     assert [f["id"] for f in frames] == list(range(1, len(frames) + 1))
     assert frames[0]["type"] == "queued" and frames[-1]["type"] == "done"
     assert "".join(f["text"] for f in frames if f["type"] == "token") == result.text
+
+
+async def test_submit_over_the_socket_streams_the_stored_result(stack: str) -> None:
+    ws_url = stack.replace("http://", "ws://") + "/v1/stream"
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    async with websockets.connect(ws_url) as ws:
+        await ws.send(json.dumps({"type": "generate",
+                                  "request": {"messages": question, "max_tokens": 16}}))
+        accepted = json.loads(await ws.recv())
+        frames = [json.loads(f) async for f in ws]
+        assert ws.close_code == 1000
+    assert accepted["type"] == "accepted"
+    assert [f["id"] for f in frames] == list(range(1, len(frames) + 1))
+    streamed = "".join(f["text"] for f in frames if f["type"] == "token")
+    async with httpx.AsyncClient(base_url=stack) as http:
+        stored = (await http.get(f"/v1/jobs/{accepted['id']}")).json()
+    assert frames[-1]["type"] == "done" and streamed == frames[-1]["text"] == stored["text"]
+    assert "Paris" in streamed
+
+
+async def test_sse_follows_a_running_job_on_the_real_stack(stack: str) -> None:
+    async with httpx.AsyncClient(base_url=stack, timeout=60) as http:
+        job = (await http.post("/v1/jobs", json={"prompt": "Count: one, two,",
+                                                 "max_tokens": 12})).json()
+        async with http.stream("GET", f"/v1/jobs/{job['id']}/events") as resp:
+            body = "".join([chunk async for chunk in resp.aiter_text()])
+        stored = (await http.get(f"/v1/jobs/{job['id']}")).json()
+    events = [json.loads(line[len("data: "):]) for line in body.splitlines()
+              if line.startswith("data: ")]
+    assert [e["id"] for e in events] == list(range(1, len(events) + 1))
+    assert "".join(e["text"] for e in events if e["type"] == "token") == stored["text"]
 
 
 async def test_http_api_contract(stack: str) -> None:

@@ -168,14 +168,18 @@ async def test_last_event_id_resumes_after_that_event(
     assert code == 1000
 
 
-async def test_several_clients_on_one_job_each_get_everything(
+async def test_many_clients_on_one_job_share_one_subscription_and_each_get_everything(
         gateway: str, aredis: aioredis.Redis, job_id: str) -> None:
-    watchers = [asyncio.create_task(watch(stream_url(gateway, job_id))) for _ in range(4)]
-    await until_subscribers(aredis, job_id, 4)
+    clients = [await ws_connect(stream_url(gateway, job_id)).__aenter__() for _ in range(40)]
+    # Each got ``queued`` (replayed after it was registered): all are watching now.
+    assert [ids([await ws.recv()]) for ws in clients] == [[1]] * 40
+    assert await subscribers(aredis, job_id) == 1  # one pub/sub subscription for all 40
     await publish(aredis, job_id, job_events(job_id, 10))
     expected = await stored(aredis, job_id)
-    for frames, code in await asyncio.gather(*watchers):
-        assert (frames, code) == (expected, 1000)
+    for ws in clients:
+        frames, code = await read_all(ws)
+        assert ([expected[0], *frames], code) == (expected, 1000)
+    await until_subscribers(aredis, job_id, 0)
 
 
 @pytest.mark.parametrize("bad_id", ["0123456789abcdef", "not%20a%20job", "x" * 65])

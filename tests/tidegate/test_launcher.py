@@ -43,6 +43,31 @@ def test_up_without_redis_server_uses_embedded_fakeredis_and_answers(tmp_path: P
             capture_output=True, text=True, timeout=60, env=env,
         )
         assert out.returncode == 0, out.stderr
-    finally:
+        # SIGTERM (docker stop, systemd) stops `up` and its worker with it: no orphan.
+        workers = children(proc.pid)
+        assert workers, "up runs its worker as a child process"
         proc.terminate()
-        proc.wait(30)
+        assert proc.wait(60) == 0
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in workers):
+            assert time.monotonic() < deadline, f"worker {workers} outlived `tidegate up`"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

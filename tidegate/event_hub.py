@@ -1,0 +1,329 @@
+"""One process's pub/sub multiplexer: every watcher of every job over one Redis subscription.
+
+A gateway (or API) process holds one ``EventHub``. The first watcher of a job subscribes the
+hub's single pub/sub connection to the job's channel; the last one to leave unsubscribes it. One
+reader task takes every message off that connection and offers it to the job's watchers, each
+of which has a bounded queue: offering never blocks, so a stalled client can delay neither the
+reader, nor the other clients, nor (through Redis' output buffer) the worker. A watcher whose
+queue overflows is marked lagging and must be closed; it can resume from its last event id.
+
+Exactness comes from the job's event stream, which workers write before they publish:
+a watcher replays the stream after its resume point once the channel subscription is confirmed,
+then takes live events, dropping ids it has sent and refilling from the stream when an id skips
+ahead. Messages lost while the pub/sub connection was down, or on a quiet channel, are found by
+the hub's poller, which reads each quiet job's stream once for all its watchers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import PubSub
+from redis.exceptions import RedisError
+
+from tidegate import keys
+from tidegate.event_feed import FeedEvent, parse_event, stored_events
+
+log = logging.getLogger("tidegate.hub")
+
+DEFAULT_QUEUE_SIZE = 1024
+DEFAULT_POLL_S = 1.0
+
+
+class Lagging(Exception):
+    """The watcher fell more than its queue size behind; close it (it may resume)."""
+
+
+class Watch:
+    """One watcher of one job: a bounded queue the hub fills, read with ``next()``.
+
+    State lives in the object, not in a generator frame, so ``next(timeout)`` can time out
+    (an SSE keepalive, say) or be cancelled at any await without losing an event.
+    """
+
+    def __init__(self, hub: EventHub, job_id: str, after_id: int, queue_size: int):
+        self.hub = hub
+        self.job_id = job_id
+        self.last = after_id  # the id of the last event handed to the consumer
+        self.queue_size = queue_size
+        self.finished = False  # the final event was handed out
+        self._queue: deque[FeedEvent] = deque()  # live events from the hub: bounded
+        self._ready: deque[FeedEvent] = deque()  # from the stream (replay, gap refills)
+        self._replayed = False
+        self._wake = asyncio.Event()
+        self.lagging = asyncio.Event()  # set once: the consumer must close this watcher
+        # Called once when the queue overflows: a consumer blocked sending to its client
+        # would not otherwise notice.
+        self.on_lag: Callable[[], object] | None = None
+
+    def offer(self, event: FeedEvent) -> None:
+        """From the hub: queue the event or, when full, mark the watcher lagging. Never blocks."""
+        if self.lagging.is_set() or event.id <= self.last:
+            return
+        if len(self._queue) >= self.queue_size:
+            self.lagging.set()
+            if self.on_lag is not None:
+                self.on_lag()
+        else:
+            self._queue.append(event)
+        self._wake.set()
+
+    async def next(self, timeout: float | None = None) -> FeedEvent | None:
+        """The next event (id = last + 1), or None when none came within ``timeout``.
+
+        Raises ``StopAsyncIteration`` after the final event, ``Lagging`` once the queue
+        overflowed, ``RedisError`` when the stream cannot be read.
+        """
+        if self.finished:
+            raise StopAsyncIteration
+        topic = self.hub._topics[self.job_id]  # present: this watch keeps it
+        if not self._replayed:
+            await self.hub._ready(topic)
+            stored = await stored_events(self.hub.redis, self.job_id)
+            if any(e.final and e.id <= self.last for e in stored):
+                self.finished = True  # resumed after the final event: nothing more, ever
+                raise StopAsyncIteration
+            self._ready.extend(e for e in stored if e.id > self.last)
+            self._replayed = True
+        while True:
+            source = self._ready if self._ready else self._queue
+            if source:
+                event = source[0]
+                if event.id <= self.last:
+                    source.popleft()
+                    continue
+                if event.id > self.last + 1:  # a gap: the stream has everything, in order
+                    stored = await stored_events(self.hub.redis, self.job_id, self.last)
+                    missed = [e for e in stored if e.id < event.id]
+                    if missed:
+                        self._ready.extendleft(reversed(missed))
+                        continue
+                source.popleft()
+                self.last = event.id
+                topic.saw(event.id)
+                self.finished = event.final
+                return event
+            if self.lagging.is_set():
+                raise Lagging(f"more than {self.queue_size} events behind")
+            self._wake.clear()
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+            except TimeoutError:
+                return None
+
+    def take_ready(self, limit: int = 64) -> list[FeedEvent]:
+        """Live events already queued that follow on without a gap, without awaiting: lets a
+        consumer send a backlog in one go instead of one wake-up per event."""
+        taken: list[FeedEvent] = []
+        if self._ready or not self._replayed:
+            return taken  # replay and gap refills go through next()
+        queue = self._queue
+        while queue and len(taken) < limit and not self.finished:
+            event = queue[0]
+            if event.id <= self.last:
+                queue.popleft()
+                continue
+            if event.id != self.last + 1:
+                break  # a gap: next() refills it from the stream
+            queue.popleft()
+            self.last = event.id
+            self.finished = event.final
+            taken.append(event)
+        if taken:
+            self.hub._topics[self.job_id].saw(self.last)
+        return taken
+
+    async def events(self) -> AsyncIterator[FeedEvent]:
+        """Every event after the resume point, in order, ending after the final one."""
+        while True:
+            try:
+                event = await self.next()
+            except StopAsyncIteration:
+                return
+            assert event is not None
+            yield event
+
+
+@dataclass(slots=True)
+class _Topic:
+    """The watchers of one job's channel."""
+
+    channel: str
+    watchers: set[Watch] = field(default_factory=set)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # SUBSCRIBE confirmed
+    last_seen: int = 0  # highest event id any watcher got: where the poller reads from
+    quiet_since: float = 0.0
+
+    def saw(self, event_id: int) -> None:
+        if event_id > self.last_seen:
+            self.last_seen = event_id
+
+
+class EventHub:
+    """Subscribes one pub/sub connection to the channels of watched jobs and fans them out."""
+
+    def __init__(self, redis: aioredis.Redis, *, queue_size: int = DEFAULT_QUEUE_SIZE,
+                 poll_s: float = DEFAULT_POLL_S):
+        self.redis = redis
+        self.queue_size = queue_size
+        self.poll_s = poll_s
+        self._topics: dict[str, _Topic] = {}  # job id -> topic
+        self._by_channel: dict[str, _Topic] = {}
+        self._pubsub: PubSub | None = None
+        self._subscribed = asyncio.Event()  # the reader has something to read
+        self._command_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.connected = False  # the pub/sub connection is up (for readiness)
+
+    @property
+    def watched_jobs(self) -> int:
+        return len(self._topics)
+
+    @property
+    def watchers(self) -> int:
+        return sum(len(t.watchers) for t in self._topics.values())
+
+    async def start(self) -> None:
+        self._pubsub = self.redis.pubsub()
+        self._tasks = [asyncio.create_task(self._read(), name="hub-reader"),
+                       asyncio.create_task(self._poll(), name="hub-poller")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._pubsub is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await self._pubsub.aclose()
+            self._pubsub = None
+
+    @contextlib.asynccontextmanager
+    async def watch(self, job_id: str, after_id: int = 0) -> AsyncIterator[Watch]:
+        """Register a watcher of ``job_id`` for the duration of the block."""
+        topic = self._topics.get(job_id)
+        watch = Watch(self, job_id, after_id, self.queue_size)
+        if topic is None:
+            topic = self._topics[job_id] = _Topic(keys.job_channel(job_id))
+            topic.quiet_since = asyncio.get_running_loop().time()
+            self._by_channel[topic.channel] = topic
+            topic.watchers.add(watch)
+            try:
+                await self._send("SUBSCRIBE", topic.channel)
+            except BaseException:
+                await self._leave(job_id, topic, watch)
+                raise
+        else:
+            topic.watchers.add(watch)
+        try:
+            yield watch
+        finally:
+            await self._leave(job_id, topic, watch)
+
+    async def _leave(self, job_id: str, topic: _Topic, watch: Watch) -> None:
+        topic.watchers.discard(watch)
+        if not topic.watchers and self._topics.get(job_id) is topic:
+            del self._topics[job_id]
+            del self._by_channel[topic.channel]
+            with contextlib.suppress(RedisError, OSError):
+                await self._send("UNSUBSCRIBE", topic.channel)
+
+    async def _ready(self, topic: _Topic) -> None:
+        """Until the topic's subscription is confirmed (at most one poll interval: the replay
+        and the poller cover anything published before it is)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.poll_s):
+                await topic.ready.wait()
+
+    async def _send(self, command: str, channel: str) -> None:
+        assert self._pubsub is not None, "EventHub.start() was not called"
+        # One command at a time: redis-py's PubSub opens its connection on the first command,
+        # and two concurrent first commands would each open one (the first then goes unread).
+        async with self._command_lock:
+            if command == "SUBSCRIBE":
+                await self._pubsub.subscribe(channel)
+                self._subscribed.set()
+            else:
+                await self._pubsub.unsubscribe(channel)
+
+    def _deliver(self, topic: _Topic, event: FeedEvent) -> None:
+        topic.saw(event.id)
+        topic.quiet_since = asyncio.get_running_loop().time()
+        for watch in topic.watchers:
+            watch.offer(event)
+
+    async def _read(self) -> None:
+        """Take every message off the shared connection; rebuild it after a failure."""
+        while True:
+            await self._subscribed.wait()
+            assert self._pubsub is not None
+            try:
+                msg = await self._pubsub.get_message(timeout=self.poll_s)
+            except (RedisError, OSError, RuntimeError) as exc:
+                await self._reconnect(exc)
+                continue
+            if msg is None:
+                continue
+            self.connected = True
+            channel = msg["channel"]
+            topic = self._by_channel.get(channel)
+            if topic is None:
+                continue  # an unsubscribed channel's last message
+            if msg["type"] == "subscribe":
+                topic.ready.set()
+            elif msg["type"] == "message":
+                try:
+                    event = parse_event(msg["data"])
+                except (ValueError, KeyError, TypeError):
+                    log.warning("dropped a malformed event on %s", channel)
+                    continue
+                self._deliver(topic, event)
+
+    async def _reconnect(self, exc: BaseException) -> None:
+        """A new pub/sub connection subscribed to every watched channel. Anything published
+        meanwhile is in the streams; the poller finds it (every topic counts as quiet)."""
+        self.connected = False
+        log.warning("pub/sub connection lost (%s); reconnecting", type(exc).__name__)
+        old, self._pubsub = self._pubsub, self.redis.pubsub()
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.aclose()
+        while True:
+            try:
+                async with self._command_lock:
+                    for topic in self._topics.values():
+                        topic.ready.clear()
+                        topic.quiet_since = 0.0
+                    channels = list(self._by_channel)
+                    if channels:
+                        await self._pubsub.subscribe(*channels)
+                    else:
+                        self._subscribed.clear()
+                return
+            except (RedisError, OSError) as err:
+                log.debug("pub/sub reconnect failed: %s", err)
+                await asyncio.sleep(self.poll_s)
+
+    async def _poll(self) -> None:
+        """Read the stream of every job quiet for a poll interval, once for all its watchers."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.poll_s / 2)
+            now = loop.time()
+            for job_id, topic in list(self._topics.items()):
+                if now - topic.quiet_since < self.poll_s or not topic.watchers:
+                    continue
+                try:
+                    events = await stored_events(self.redis, job_id, topic.last_seen)
+                except (RedisError, OSError):
+                    break  # Redis is down: try again next round
+                topic.quiet_since = loop.time()
+                for event in events:
+                    self._deliver(topic, event)

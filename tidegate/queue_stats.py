@@ -1,0 +1,120 @@
+"""A snapshot of the queue: per lane partition, what waits and what runs; per worker, its load.
+
+Read from Redis alone (XINFO on each lane stream, the workers' heartbeat keys), so any process
+can answer it: the gateway's live page, the operators' CLI, metrics. Lag is what the consumer
+group has not read yet; pending is what workers read and have not acknowledged (running, or
+held by a worker that died until it is reclaimed).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from tidegate import keys
+
+
+@dataclass(frozen=True, slots=True)
+class LaneStats:
+    lane: str
+    partition: int
+    stream: str
+    length: int  # entries in the stream, acknowledged ones included until it is trimmed
+    lag: int  # not yet read by any worker
+    pending: int  # read, not yet acknowledged
+    consumers: int
+    oldest_waiting_s: float | None  # age of the oldest unread job, None when none waits
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    worker_id: str
+    running: int
+    waiting: int
+    tokens_per_s: float
+    kv_usage: float  # fraction of KV blocks in use
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    lanes: list[LaneStats]
+    workers: list[WorkerStats]
+    taken_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+
+    @property
+    def running(self) -> int:
+        return sum(w.running for w in self.workers)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return round(sum(w.tokens_per_s for w in self.workers), 1)
+
+    def to_dict(self) -> dict:
+        return {"lanes": [asdict(lane) for lane in self.lanes],
+                "workers": [asdict(w) for w in self.workers],
+                "running": self.running, "tokens_per_s": self.tokens_per_s,
+                "taken_ms": self.taken_ms}
+
+
+def _entry_ms(entry_id: str | bytes) -> int:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-", 1)[0])
+
+
+async def lane_stats(redis: aioredis.Redis, lane: str, partition: int = 0) -> LaneStats:
+    stream = keys.lane_stream(lane, partition)
+    length = int(await redis.xlen(stream))
+    try:
+        groups = await redis.xinfo_groups(stream)
+    except ResponseError:  # no such stream yet: nothing was ever submitted to this lane
+        groups = []
+    group = next((g for g in groups if g["name"] == keys.CONSUMER_GROUP), None)
+    if group is None:
+        lag, pending, consumers, last = length, 0, 0, "0-0"
+    else:
+        pending, consumers = int(group["pending"]), int(group["consumers"])
+        last = group["last-delivered-id"]
+        lag = group.get("lag")
+        if lag is None:  # Redis < 7 or unknown after trimming: count what follows, bounded
+            lag = len(await redis.xrange(stream, f"({last}", "+", count=10_000))
+        lag = int(lag)
+    oldest = None
+    if lag:
+        first = await redis.xrange(stream, f"({last}" if last != "0-0" else "-", "+", count=1)
+        if first:
+            oldest = max(0.0, round(time.time() - _entry_ms(first[0][0]) / 1000, 3))
+    return LaneStats(lane, partition, stream, length, lag, pending, consumers, oldest)
+
+
+async def worker_stats(redis: aioredis.Redis) -> list[WorkerStats]:
+    """Every worker whose heartbeat has not expired."""
+    names = sorted([k async for k in redis.scan_iter(match=keys.worker_heartbeat("*"), count=500)])
+    values = []
+    for name in names:  # one GET each: heartbeat keys live in different cluster slots
+        values.append(await redis.get(name))
+    workers = []
+    for name, raw in zip(names, values, strict=True):
+        if raw is None:
+            continue  # expired between SCAN and GET
+        worker_id = name.split("{", 1)[-1].rstrip("}")
+        try:
+            beat = json.loads(raw)
+        except ValueError:
+            beat = {}
+        if not isinstance(beat, dict):  # an older worker's plain count of running requests
+            beat = {"running": beat}
+        workers.append(WorkerStats(
+            worker_id=worker_id, running=int(beat.get("running", 0)),
+            waiting=int(beat.get("waiting", 0)),
+            tokens_per_s=float(beat.get("tokens_per_s", 0.0)),
+            kv_usage=float(beat.get("kv_usage", 0.0))))
+    return workers
+
+
+async def queue_stats(redis: aioredis.Redis, partitions: int = 1) -> QueueStats:
+    lanes = [await lane_stats(redis, lane, p) for lane in keys.LANES for p in range(partitions)]
+    return QueueStats(lanes=lanes, workers=await worker_stats(redis))
