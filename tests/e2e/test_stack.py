@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -19,35 +15,17 @@ import pytest
 import websockets
 
 from producer.client import Client
-from tests.conftest import free_port
+from tests.conftest import RedisServer
+from tests.stack_process import TIDEGATE, tidegate_up
 
 pytestmark = pytest.mark.slow
 
-TIDEGATE = [sys.executable, "-m", "tidegate.cli"]
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server) -> Iterator[str]:  # noqa: ANN001
-    redis_server.flush()  # no job left queued by an earlier test reaches this worker
-    port = free_port()
-    env = {**os.environ, "TIDEGATE_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(
-        [*TIDEGATE, "up", "--redis-url", redis_server.url, "--port", str(port),
-         "--model", "smollm2"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    assert proc.stdout is not None
-    for line in proc.stdout:  # `up` prints its banner once a worker is heartbeating
-        if "tidegate is up" in line:
-            break
-        assert time.monotonic() < deadline and proc.poll() is None, line
-    # Keep draining its output so a full pipe can never stall the stack.
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
-    yield base
-    proc.terminate()
-    proc.wait(60)
+def stack(redis_server: RedisServer) -> Iterator[str]:
+    with tidegate_up(redis_server) as url:
+        yield url
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -7,13 +7,7 @@ redis-server; Selenium drives the system's Chromium through the system's chromed
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +21,8 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.asgi_server import serve
-from tests.conftest import RedisServer, free_port
+from tests.conftest import RedisServer
+from tests.stack_process import tidegate_up
 from tidegate.launcher import combined_app
 from tidegate.settings import Settings
 
@@ -48,57 +43,9 @@ API_KEY = "page-test-key"
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server) -> Iterator[str]:  # noqa: ANN001
-    """``tidegate up`` on a free port, as tests/e2e/test_stack.py starts it."""
-    redis_server.flush()  # no job left queued by an earlier test reaches this worker
-    port = free_port()
-    env = {**os.environ, "TIDEGATE_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tidegate.cli", "up", "--redis-url", redis_server.url,
-         "--port", str(port), "--model", "smollm2"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    deadline = time.monotonic() + 120
-    assert proc.stdout is not None
-    for line in proc.stdout:  # `up` prints its banner once a worker is heartbeating
-        if "tidegate is up" in line:
-            break
-        assert time.monotonic() < deadline and proc.poll() is None, line
-    else:
-        pytest.fail(f"tidegate up exited ({proc.wait()}) before it was up")
-    threading.Thread(target=proc.stdout.read, daemon=True).start()  # never let the pipe fill
-    yield f"http://127.0.0.1:{port}"
-    children = _children(proc.pid)
-    proc.terminate()  # `up` stops its worker too (tests/tidegate/test_launcher.py)
-    proc.wait(60)
-    _stop_leftovers(children)
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def _stop_leftovers(pids: list[int], timeout_s: float = 30.0) -> None:
-    """Whatever `up` left behind of its children: terminated, and waited for."""
-    left = []
-    for pid in pids:
-        try:
-            if b"tidegate" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                os.kill(pid, signal.SIGTERM)
-                left.append(pid)
-        except (OSError, ProcessLookupError):
-            pass
-    deadline = time.monotonic() + timeout_s
-    while left and time.monotonic() < deadline:
-        left = [pid for pid in left if Path(f"/proc/{pid}").exists()]
-        time.sleep(0.1)
-    for pid in left:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    assert not left, f"tidegate up left its worker(s) {left} running"
+def stack(redis_server: RedisServer) -> Iterator[str]:
+    with tidegate_up(redis_server) as url:
+        yield url
 
 
 @pytest.fixture

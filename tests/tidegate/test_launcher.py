@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
+from tests.stack_process import children
+from tests.stack_process import is_alive as alive
 
 pytestmark = pytest.mark.slow
 
@@ -57,17 +59,3 @@ def test_up_without_redis_server_uses_embedded_fakeredis_and_answers(tmp_path: P
             proc.kill()
             proc.wait(30)
 
-
-def children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(c) for c in (task / "children").read_text().split()]
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"

@@ -97,16 +97,18 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         x, residual = ops.rms_norm(hidden, self.input_norm, cfg.rms_norm_eps, residual)
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = ops.linear(x, self.qkv_proj.weight)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
         q, k = ops.rotary(q, k, positions, rope_cache)
         out = attn.attend(layer, q, k, v)  # [T, Hq, D]
-        hidden = self.o_proj(out.reshape(t, self.q_size))
+        hidden = ops.linear(out.reshape(t, self.q_size), self.o_proj.weight)
         x, residual = ops.rms_norm(hidden, self.post_attn_norm, cfg.rms_norm_eps, residual)
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))), residual
+        gate_up = ops.linear(x, self.gate_up_proj.weight)
+        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight), residual
 
 
 class LlamaModel(nn.Module):
@@ -143,7 +145,7 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V]."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return ops.linear(hidden, weight).float()
 
     def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Load weights named as in HF ``LlamaForCausalLM``; raises naming any missing tensor."""
