@@ -225,15 +225,8 @@ def paged_attention(
     check_shapes(q, key_cache, value_cache, meta)
     nd, block_size = meta.num_decodes, key_cache.shape[1]
     decode = None
-    if nd and native_decode_applies(q):
-        native = native_kernels()
-        assert native is not None
-        width = -(-max(meta.seq_lens_host[:nd]) // block_size)
-        decode = native.paged_decode(q[:nd], key_cache, value_cache,
-                                     meta.block_tables[:nd, :width], meta.seq_lens[:nd], scale)
-        if nd == len(meta.seq_lens_host):
-            return decode
-    elif nd and meta.decode_buckets:
+    native = native_kernels() if nd and native_decode_applies(q) else None
+    if nd and meta.decode_buckets and native is None:
         decode = torch.empty_like(q[:nd])
         for rows, longest in meta.decode_buckets:
             width = -(-longest // block_size)
@@ -242,11 +235,12 @@ def paged_attention(
                 meta.seq_lens[rows], scale,
             )
     elif nd:
-        width = -(-max(meta.seq_lens_host[:nd]) // block_size)  # trim padding to the longest
-        decode = paged_decode_attention(
-            q[:nd], key_cache, value_cache, meta.block_tables[:nd, :width], meta.seq_lens[:nd],
-            scale,
-        )
+        # One call for all decodes, the table trimmed to the longest context; the native
+        # kernel reads only each sequence's own blocks, so it needs no length buckets.
+        attend = native.paged_decode if native is not None else paged_decode_attention
+        width = -(-max(meta.seq_lens_host[:nd]) // block_size)
+        decode = attend(q[:nd], key_cache, value_cache, meta.block_tables[:nd, :width],
+                        meta.seq_lens[:nd], scale)
         if nd == len(meta.seq_lens_host):
             return decode
     out = torch.empty_like(q)
