@@ -28,7 +28,8 @@ import torch
 
 log = logging.getLogger("tidegate.kernels")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "paged_decode_cpu.c", CSRC / "linear_cpu.c")  # one shared object
 # -ffast-math lets the compiler vectorize the reductions (the kernel never sees inf or NaN
 # by construction: its exp clamps, its max starts from a real score).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11",
@@ -74,8 +75,9 @@ def _compiler() -> str:
     return cc
 
 
-def build(source: Path = SOURCE) -> Path:
-    """Compile ``source`` unless a build for this source, compiler and CPU is cached."""
+def build(sources: tuple[Path, ...] = SOURCES) -> Path:
+    """Compile ``sources`` into one shared object unless a build for these sources, compiler
+    and CPU is cached."""
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
@@ -83,8 +85,9 @@ def build(source: Path = SOURCE) -> Path:
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeBuildError(f"{cc} --version failed: {exc}") from exc
     key = hashlib.sha256("\0".join(
-        [source.read_text(), " ".join(FLAGS), version, _cpu_identity()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{key}.so"
+        [*(src.read_text() for src in sources), " ".join(FLAGS), version, _cpu_identity()]
+    ).encode()).hexdigest()[:16]
+    target = cache_dir() / f"tidegate-cpu-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -92,10 +95,11 @@ def build(source: Path = SOURCE) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(source), "-o", tmp], capture_output=True,
+        proc = subprocess.run([cc, *FLAGS, *map(str, sources), "-o", tmp], capture_output=True,
                               text=True, timeout=300)
         if proc.returncode != 0:
-            raise NativeBuildError(f"{cc} failed on {source.name}: {proc.stderr.strip()[-2000:]}")
+            names = ", ".join(src.name for src in sources)
+            raise NativeBuildError(f"{cc} failed on {names}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -114,6 +118,28 @@ class NativeCpuKernels:
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._paged_decode = fn
+        fn = self.lib.tidegate_skinny_linear_f32
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_int]
+        fn.restype = None
+        self._skinny_linear = fn
+
+    def skinny_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ weight[N, K].T -> [M, N] for few rows (decode steps); float32 CPU."""
+        if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+            raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
+        for name, t in (("x", x), ("weight", weight)):
+            if t.dtype != torch.float32 or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        weight = weight.contiguous()  # a no-op for model weights
+        m, k = x.shape
+        out = torch.empty(m, weight.shape[0], dtype=torch.float32)
+        if m:
+            self._skinny_linear(x.data_ptr(), weight.data_ptr(), out.data_ptr(), m,
+                                weight.shape[0], k, x.stride(0), out.stride(0),
+                                torch.get_num_threads())
+        return out
 
     def paged_decode(
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -202,10 +202,11 @@ def paged_prefill_attention(
             mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
             mask = mask.tril(seq_len - q_len)
         rows = slice(start, start + q_len)
+        # 4-D inputs: with 3-D ones the CPU dispatcher takes the math path (2-3x slower here).
         out[rows] = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            q[None, rows].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
             attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
-        ).transpose(0, 1)
+        )[0].transpose(0, 1)
         start += q_len
     return out
 

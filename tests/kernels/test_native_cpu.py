@@ -116,7 +116,7 @@ def test_a_compile_error_is_reported_with_the_compiler_output(
     broken = fresh_native / "broken.c"
     broken.write_text("int f( {\n")
     with pytest.raises(native_cpu.NativeBuildError, match="broken.c"):
-        native_cpu.build(broken)
+        native_cpu.build((broken,))
     assert list(fresh_native.glob("*.so")) == []
 
 

@@ -65,11 +65,12 @@ class CausalAttention:
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
+        # 4-D inputs: with 3-D ones the CPU dispatcher takes the math path.
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
-            enable_gqa=True,
+            q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
+            is_causal=True, enable_gqa=True,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
 
 class DecoderLayer(nn.Module):
