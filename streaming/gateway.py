@@ -177,7 +177,9 @@ def create_app(settings: Settings) -> Starlette:
         finally:
             await gateway.stop()
 
-    return Starlette(routes=gateway.routes, lifespan=lifespan)
+    app = Starlette(routes=gateway.routes, lifespan=lifespan)
+    app.state.gateway = gateway
+    return app
 
 
 def resume_point(raw: str | None) -> int | None:

@@ -51,7 +51,9 @@ def _check_model(spec: str) -> None:
 # Shared by every server role. Per-message deflate is off: token frames are ~200 bytes, and
 # compressing each one for each of thousands of watchers would cost the fan-out most of its CPU.
 UVICORN_OPTIONS: dict[str, object] = {
-    "ws": "websockets-sansio", "ws_per_message_deflate": False, "backlog": 4096,
+    # The sans-I/O websockets protocol plus tidegate's frame-writing extension (ws_protocol).
+    "ws": "tidegate.ws_protocol:TidegateWebSocketProtocol",
+    "ws_per_message_deflate": False, "backlog": 4096,
 }
 
 

@@ -61,10 +61,22 @@ class Watch:
         # Called once when the queue overflows: a consumer blocked sending to its client
         # would not otherwise notice.
         self.on_lag: Callable[[], object] | None = None
+        # A consumer that can hand an event to its client without awaiting (a WebSocket
+        # frame written straight to the transport) sets this; while the consumer is parked in
+        # next() with nothing queued, the hub calls it instead of queueing and waking the
+        # consumer. It returns False to refuse (the client is not keeping up, or closing):
+        # the event is then queued as usual.
+        self.direct: Callable[[FeedEvent], bool] | None = None
+        self._parked = False  # the consumer waits in next() with nothing to hand out
 
     def offer(self, event: FeedEvent) -> None:
         """From the hub: queue the event or, when full, mark the watcher lagging. Never blocks."""
         if self.lagging.is_set() or event.id <= self.last:
+            return
+        if (self._parked and self.direct is not None and not self._queue and not self._ready
+                and event.id == self.last + 1 and not event.final and self.direct(event)):
+            self.last = event.id  # the final event always goes through next(): it ends the watch
+            self.hub.direct_sends += 1
             return
         if len(self._queue) >= self.queue_size:
             self.lagging.set()
@@ -112,11 +124,14 @@ class Watch:
             if self.lagging.is_set():
                 raise Lagging(f"more than {self.queue_size} events behind")
             self._wake.clear()
+            self._parked = True
             try:
                 async with asyncio.timeout(timeout):
                     await self._wake.wait()
             except TimeoutError:
                 return None
+            finally:
+                self._parked = False
 
     def take_ready(self, limit: int = 64) -> list[FeedEvent]:
         """Live events already queued that follow on without a gap, without awaiting: lets a
@@ -140,6 +155,14 @@ class Watch:
             self.hub._topics[self.job_id].saw(self.last)
         return taken
 
+    def encoded(self, event: FeedEvent, encode: Callable[[bytes], bytes]) -> bytes:
+        """``encode(event.raw)``, computed once per event for all the job's watchers (each is
+        handed the same event object in turn)."""
+        topic = self.hub._topics[self.job_id]
+        if topic.encoded_id != event.id:
+            topic.encoded, topic.encoded_id = encode(event.raw.encode()), event.id
+        return topic.encoded
+
     async def events(self) -> AsyncIterator[FeedEvent]:
         """Every event after the resume point, in order, ending after the final one."""
         while True:
@@ -160,6 +183,8 @@ class _Topic:
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # SUBSCRIBE confirmed
     last_seen: int = 0  # highest event id any watcher got: where the poller reads from
     quiet_since: float = 0.0
+    encoded_id: int = -1  # the event whose wire form ``encoded`` holds (Watch.encoded)
+    encoded: bytes = b""
 
     def saw(self, event_id: int) -> None:
         if event_id > self.last_seen:
@@ -181,6 +206,7 @@ class EventHub:
         self._command_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self.connected = False  # the pub/sub connection is up (for readiness)
+        self.direct_sends = 0  # events handed to a watcher's ``direct`` writer (no wake-up)
 
     @property
     def watched_jobs(self) -> int:

@@ -31,6 +31,7 @@ from redis.exceptions import RedisError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from tidegate.event_hub import EventHub, Lagging, Watch
+from tidegate.ws_protocol import frame_writer, text_frame
 
 CLOSE_DONE = 1000
 CLOSE_GOING_AWAY = 1001
@@ -89,6 +90,11 @@ async def relay(ws: WebSocket, hub: EventHub, job_id: str, after_id: int) -> Non
         receiver = asyncio.create_task(_answer_frames(ws, send_lock))
         # A stalled client blocks its sender inside send(); the hub's overflow ends it.
         watch.on_lag = sender.cancel
+        if (writer := frame_writer(ws.scope)) is not None:
+            # Live events while the sender is idle: one shared frame written straight to the
+            # transport, no task wake-up (the hot path at thousands of clients). A refusal
+            # (write buffer full, closing) sends the event through the sender instead.
+            watch.direct = lambda event: writer.write(watch.encoded(event, text_frame))
         try:
             await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -96,6 +96,39 @@ async def test_every_watcher_of_every_job_shares_one_pubsub_connection(
             assert (ids(frames), code) == ([3, 4, 5, 6], 1000)
 
 
+async def test_live_events_are_written_as_shared_frames_of_any_size(
+        redis_server: RedisServer, aredis: aioredis.Redis) -> None:
+    """Live events to idle watchers go out as one frame built per event and written straight
+    to every watcher's socket (no per-client wake-up); frames of every length class decode in
+    a standard client, in order, with the final event still closing the socket with 1000."""
+    app = create_app(Settings(redis_url=redis_server.url))
+    with serve(app) as url:
+        gateway = url.replace("http://", "ws://")
+        job = await new_job(aredis)
+        texts = ["x", "y" * 200, "z" * 70_000]  # 7-bit, 16-bit and 64-bit payload lengths
+        raws = [TokenEvent(id=3 + i, job_id=job, index=i, text=t, token_ids=[i])
+                .model_dump_json() for i, t in enumerate(texts)]
+        async with ws_connect(stream_url(gateway, job), max_size=None) as a, \
+                ws_connect(stream_url(gateway, job), max_size=None) as b:
+            for ws in (a, b):
+                assert ids([await ws.recv()]) == [1]
+            await publish(aredis, job, [job_events(job, 0)[0]])  # started, id 2
+            for ws in (a, b):
+                assert ids([await ws.recv()]) == [2]
+            hub = app.state.gateway.hub
+            before = hub.direct_sends
+            for raw in raws:
+                await asyncio.sleep(0.05)  # both senders are idle, parked for the next event
+                await publish(aredis, job, [raw])
+            for ws in (a, b):
+                assert [await ws.recv() for _ in raws] == raws
+            assert hub.direct_sends - before == 2 * len(raws)
+            await publish(aredis, job, [job_events(job, len(raws))[-1]])  # done
+            for ws in (a, b):
+                frames, code = await read_all(ws)
+                assert (ids(frames), code) == ([len(raws) + 3], 1000)
+
+
 # ---------------------------------------------------------------- resume
 
 

@@ -1,0 +1,74 @@
+"""uvicorn's WebSocket protocol plus one ASGI extension: write a ready-made frame, no await.
+
+A job's event goes to every client watching it as the same bytes: server frames are not
+masked, so one frame built once per event serves them all. The standard ASGI path would frame
+it again for each client and wake each client's sender task; at thousands of clients that
+per-client work is most of a gateway's CPU. The extension ``tidegate.websocket.frames``
+(in the connection's ``scope["extensions"]``) offers ``write(frame) -> bool``: the frame goes
+straight to the transport, in order with everything else sent on the connection (the event
+loop runs one callback at a time, and ASGI sends write whole frames too). It refuses (False)
+when the connection is closing or its write buffer is over the high-water mark: the caller then
+falls back to the awaited ASGI path, whose back-pressure is what detects a slow client.
+
+Only offered when the connection negotiated no extension (no permessage-deflate), since
+a raw frame would bypass compression. ``UVICORN_OPTIONS`` in ``tidegate.cli`` selects this
+protocol for every server tidegate runs.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+FRAMES_EXTENSION = "tidegate.websocket.frames"
+
+
+def text_frame(payload: bytes) -> bytes:
+    """An unfragmented, unmasked RFC 6455 text frame (FIN set, opcode 1) holding ``payload``."""
+    n = len(payload)
+    if n < 126:
+        header = struct.pack("!BB", 0x81, n)
+    elif n < 1 << 16:
+        header = struct.pack("!BBH", 0x81, 126, n)
+    else:
+        header = struct.pack("!BBQ", 0x81, 127, n)
+    return header + payload
+
+
+@dataclass(frozen=True, slots=True)
+class FrameWriter:
+    """What the extension hands the app: ``write(frame)``, True if the frame went out."""
+
+    protocol: TidegateWebSocketProtocol
+
+    def write(self, frame: bytes) -> bool:
+        return self.protocol.write_frame(frame)
+
+
+class TidegateWebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's sans-I/O WebSocket protocol, with the frame-writing extension."""
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)
+        # No scope: the handshake was refused. Extensions negotiated: frames must go through
+        # the connection's own encoder.
+        if scope is not None and not self.conn.extensions:
+            scope["extensions"][FRAMES_EXTENSION] = {"writer": FrameWriter(self)}
+
+    def write_frame(self, frame: bytes) -> bool:
+        if (not self.handshake_complete or self.close_sent or self.disconnected
+                or not self.writable.is_set() or self.transport.is_closing()):
+            return False
+        self.transport.write(frame)
+        return True
+
+
+def frame_writer(scope: dict[str, Any]) -> FrameWriter | None:
+    """The connection's frame writer, or None where the server does not offer one."""
+    ext = scope.get("extensions") or {}
+    entry = ext.get(FRAMES_EXTENSION)
+    return entry.get("writer") if isinstance(entry, dict) else None
