@@ -5,10 +5,9 @@ K/V gather), a small C kernel reads it in place. The shared object is compiled o
 (source, compiler, CPU) into a cache directory, with ``-march=native`` because it is built
 on the machine that runs it, and loaded with ctypes (which releases the GIL during calls).
 
-Choice of implementation (``TIDEGATE_KERNELS``):
-* ``auto`` (default): native where it builds, else the plain-torch reference (one warning).
-* ``reference``: always plain torch.
-* ``native``: native or an error (for tests and benchmarks that must measure it).
+Choice of implementation (``TIDEGATE_KERNELS``, see ``kernels.dispatch``): ``auto`` uses
+them where they build, else the plain-torch reference (one warning); ``reference`` and
+``triton`` never build them; ``native`` makes a failed build an error.
 """
 
 from __future__ import annotations
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.dispatch import kernel_mode
+
 log = logging.getLogger("tidegate.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
@@ -35,18 +36,10 @@ SOURCES = (CSRC / "paged_decode_cpu.c", CSRC / "linear_cpu.c")  # one shared obj
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11",
          # 512-bit vectors where the CPU has them (compilers default to 256 on AVX-512 parts).
          *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else [])]
-MODES = ("auto", "reference", "native")
 
 
 class NativeBuildError(RuntimeError):
     pass
-
-
-def kernel_mode() -> str:
-    mode = os.environ.get("TIDEGATE_KERNELS", "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise ValueError(f"TIDEGATE_KERNELS must be one of {', '.join(MODES)}, got {mode!r}")
-    return mode
 
 
 def cache_dir() -> Path:
@@ -178,7 +171,7 @@ _loaded: dict[str, NativeCpuKernels | None] = {}
 def native_kernels() -> NativeCpuKernels | None:
     """The native kernels if ``TIDEGATE_KERNELS`` allows them and they build, else None."""
     mode = kernel_mode()
-    if mode == "reference":
+    if mode in ("reference", "triton"):
         return None
     with _lock:
         if "lib" not in _loaded:

@@ -1,15 +1,85 @@
-"""The entry points models call; today each dispatches to its plain-torch implementation.
+"""The entry points models call; each picks its implementation per call (``kernels.dispatch``).
 
-Triton kernels go behind these same names (GPU issue); callers never import an implementation.
+CUDA tensors go to the Triton kernels (``*_triton.py``, each beside its plain-torch reference);
+CPU tensors to the reference or, where one exists, a native C kernel. Callers never import an
+implementation. The Triton modules are imported on first use, so a CPU-only install never
+needs Triton.
 """
 
 from __future__ import annotations
 
-from kernels.activation import silu_and_mul_ref as silu_and_mul
-from kernels.linear import linear
-from kernels.paged_attention import paged_attention
-from kernels.paged_attention import store_kv_ref as store_kv
-from kernels.rmsnorm import rms_norm_ref as rms_norm
-from kernels.rotary import rotary_ref as rotary
+import torch
 
-__all__ = ["linear", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "store_kv"]
+from kernels.activation import silu_and_mul_ref
+from kernels.dispatch import use_triton
+from kernels.linear import linear
+from kernels.paged_attention import PagedAttentionMetadata, paged_decode_attention, store_kv_ref
+from kernels.paged_attention import paged_attention as paged_attention_cpu
+from kernels.rmsnorm import rms_norm_ref
+from kernels.rotary import rotary_ref
+
+__all__ = ["linear", "paged_attention", "paged_decode", "rms_norm", "rotary", "silu_and_mul",
+           "store_kv"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new_residual), new_residual = x + residual (or x); see ``rms_norm_ref``."""
+    if use_triton(x):
+        from kernels.rmsnorm_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hk, D] rotated by their positions. The Triton kernel rotates in place
+    and returns its inputs; callers use the returned tensors either way."""
+    if use_triton(q):
+        from kernels.rotary_triton import rotary_triton
+
+        return rotary_triton(q, k, positions, cache)
+    return rotary_ref(q, k, positions, cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] (gate then up) -> silu(gate) * up [T, I]."""
+    if use_triton(x):
+        from kernels.activation_triton import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
+    return silu_and_mul_ref(x)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write each token's key and value into its cache slot; slots < 0 are skipped."""
+    if use_triton(key):
+        from kernels.kv_store_triton import store_kv_triton
+
+        return store_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+    return store_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+    """The step's attention over the paged cache: decodes and prefill chunks -> [T, Hq, D]."""
+    if use_triton(q):
+        from kernels.paged_attention_triton import paged_attention_triton
+
+        return paged_attention_triton(q, key_cache, value_cache, meta, scale)
+    return paged_attention_cpu(q, key_cache, value_cache, meta, scale)
+
+
+def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 num_splits: int) -> torch.Tensor:
+    """Decode attention only (one query per sequence) with no host data at all, so it can be
+    captured in a CUDA graph; ``num_splits`` splits each context for the Triton kernel."""
+    if use_triton(q):
+        from kernels.paged_attention_triton import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(q, key_cache, value_cache, block_tables, seq_lens,
+                                             scale, num_splits)
+    return paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)

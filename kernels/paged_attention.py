@@ -259,6 +259,14 @@ def check_shapes(
     meta: PagedAttentionMetadata,
 ) -> None:
     """Raise ValueError naming the mismatch; cheap (no device sync)."""
+    check_cache_layout(q, key_cache, value_cache)
+    if q.shape[0] != meta.num_tokens:
+        raise ValueError(f"q has {q.shape[0]} tokens, the metadata {meta.num_tokens}")
+
+
+def check_cache_layout(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+                       ) -> None:
+    """q [T, Hq, D] against caches [blocks, block_size, Hk, D]: ValueError naming the problem."""
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError(f"caches must both be [blocks, block_size, Hk, D], got "
                          f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
@@ -268,5 +276,3 @@ def check_shapes(
     if q.dim() != 3 or q.shape[2] != d or q.shape[1] % hk:
         raise ValueError(f"q must be [T, Hq, {d}] with Hq a multiple of {hk}, "
                          f"got {tuple(q.shape)}")
-    if q.shape[0] != meta.num_tokens:
-        raise ValueError(f"q has {q.shape[0]} tokens, the metadata {meta.num_tokens}")

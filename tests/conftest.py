@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -13,6 +14,33 @@ from pathlib import Path
 import pytest
 import redis
 import redis.asyncio as aioredis
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter (set before Triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _interpreter_loop_bounds() -> None:
+    """Triton 3.6's interpreter turns a runtime loop bound into an int with ``int(ndarray)``;
+    its scalars are 1-element arrays, which NumPy >= 2.4 refuses to convert. Read the element.
+    """
+    try:
+        import triton.runtime.interpreter as interpreter
+    except ImportError:
+        return
+    patch = interpreter._patch_lang_tensor
+
+    def patch_index_too(tensor: type, scope: object) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__",  # type: ignore[attr-defined]
+                       lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_index_too
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_loop_bounds()
 
 
 def free_port() -> int:

@@ -31,7 +31,7 @@ def _settings(args: argparse.Namespace):  # -> Settings
     from tidegate.settings import load_settings
 
     fields = ("redis_url", "model", "device", "dtype", "max_num_seqs", "max_num_batched_tokens",
-              "kv_cache_gb", "host", "port", "log_level")
+              "kv_cache_gb", "cuda_graphs", "host", "port", "log_level")
     try:
         return load_settings(**{f: getattr(args, f, None) for f in fields})
     except ValidationError as exc:
@@ -70,8 +70,22 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     _check_model(settings.model)
+    _check_device(settings.device)
     explicit = args.redis_url or os.environ.get("TIDEGATE_REDIS_URL") or os.environ.get("REDIS_URL")
     return run_up(settings, explicit)
+
+
+def _check_device(device: str) -> None:
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CliError(f"--device {device}: no CUDA device is visible to torch "
+                       f"{torch.__version__} (a CPU build, or no driver)")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise CliError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -79,6 +93,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     _check_model(settings.model)
+    _check_device(settings.device)
     asyncio.run(serve(settings))
     return 0
 
@@ -164,6 +179,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="tokens per engine step: decodes plus prompt chunks (default 512)")
     p.add_argument("--kv-cache-gb", type=float,
                    help="KV cache size (default 2 GiB on cpu, 90%% of free memory on cuda)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False,
+                   help="cuda: run decode steps eagerly instead of replaying CUDA graphs")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ class Settings(BaseSettings):
     # REDIS_URL (unprefixed, the common convention) also works; see `load_settings`.
     redis_url: str = DEFAULT_REDIS_URL
     model: str = Field(default="smollm2", description="smollm2 | HF dir | .gguf | random:<preset>")
-    device: str = "cpu"
+    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="cpu | cuda[:N]")
     dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16|float16)$",
                        description="auto: float32 on CPU, bfloat16 on CUDA")
     max_num_seqs: int = Field(default=32, ge=1)
@@ -27,6 +27,8 @@ class Settings(BaseSettings):
                                       description="None: 2 GiB on CPU, a fraction on CUDA")
     kv_cache_memory_fraction: float = Field(default=0.9, gt=0, le=1)
     prefix_caching: bool = True
+    # CUDA: replay decode steps from CUDA graphs captured at start-up (False: eager steps).
+    cuda_graphs: bool = True
     load_shedding: bool = True
     # Finish-time estimates are multiplied by this before comparing them with deadlines.
     shedding_safety: float = Field(default=1.25, ge=1.0, le=10.0)

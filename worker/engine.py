@@ -44,6 +44,9 @@ class EngineConfig:
     kv_cache_memory_fraction: float | None = None
     num_blocks: int | None = None  # overrides the budgets above (tests, benchmarks)
     prefix_caching: bool = True
+    # CUDA only: replay decode steps from CUDA graphs (captured at start-up for batch sizes up to
+    # max_num_seqs); False runs every step eagerly.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -107,7 +110,9 @@ class Engine:
                                    prefix_caching=config.prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks)
-        self.runner = ModelRunner(model, self.kv_spec)
+        self.runner = ModelRunner(
+            model, self.kv_spec, max_model_len=config.max_model_len,
+            cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0)
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self._aborted: dict[str, FinishReason] = {}

@@ -48,7 +48,10 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, spec: KVCacheSpec) -> None:
+    def __init__(self, model: LlamaModel, spec: KVCacheSpec, *, max_model_len: int | None = None,
+                 cuda_graph_max_batch: int = 0) -> None:
+        """``cuda_graph_max_batch`` > 0 (CUDA only): capture decode steps of up to that many
+        sequences, each context up to ``max_model_len`` tokens, in CUDA graphs."""
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -59,14 +62,38 @@ class ModelRunner:
         # Build (or load) the native CPU kernels now, not inside the first step a job waits on.
         if self.device.type == "cpu" and self.dtype == torch.float32:
             native_kernels()
+        self.graphs = None
+        if cuda_graph_max_batch > 0 and self.device.type == "cuda":
+            from worker.cuda_graphs import CudaGraphDecoder
+
+            self.graphs = CudaGraphDecoder(
+                model, self.kv_cache, block_size=self.block_size, max_batch=cuda_graph_max_batch,
+                max_model_len=max_model_len or model.cfg.max_position_embeddings,
+                scale=self.scale)
 
     def run(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> SamplerOutput:
         """Compute every scheduled chunk; sample the next token of each sampling chunk."""
+        rows = [c.seq for c in sched.chunks if c.samples]
+        if self.graphs is not None and self._graph_step(sched):
+            positions = [c.start for c in sched.chunks]
+            bs = self.block_size
+            hidden = self.graphs.run(
+                [c.seq.token_at(c.start) for c in sched.chunks], positions,
+                [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)],
+                block_tables)
+            return self.sampler(self.model.compute_logits(hidden), rows)
         inp = self.prepare(sched, block_tables)
         hidden = self.model(inp.input_ids, inp.positions,
                             PagedAttention(self.kv_cache, inp.meta, self.scale))
         logits = self.model.compute_logits(hidden[inp.sample_rows])
-        return self.sampler(logits, [c.seq for c in sched.chunks if c.samples])
+        return self.sampler(logits, rows)
+
+    def _graph_step(self, sched: SchedulerOutput) -> bool:
+        """A decode-only step (every chunk one token, sampled) that fits a captured size."""
+        assert self.graphs is not None
+        chunks = sched.chunks
+        return (0 < len(chunks) <= self.graphs.max_batch
+                and all(c.num_tokens == 1 and c.samples for c in chunks))
 
     def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelInput:
         ids: list[int] = []
@@ -78,7 +105,10 @@ class ModelRunner:
         bs = self.block_size
         for chunk, table in zip(sched.chunks, block_tables, strict=True):
             end = chunk.start + chunk.num_tokens
-            ids += chunk.seq.all_ids()[chunk.start : end]
+            if chunk.num_tokens == 1:
+                ids.append(chunk.seq.token_at(chunk.start))
+            else:
+                ids += chunk.seq.all_ids()[chunk.start : end]
             span = range(chunk.start, end)
             positions += span
             slots += [table[p // bs] * bs + p % bs for p in span]

@@ -54,10 +54,19 @@ class SchedulerOutput:
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Kept in step with ``chunks`` by add / drop: summing per chunk made scheduling a step of
+    # n sequences cost n^2 (a third of a 1000-sequence decode step).
+    num_batched_tokens: int = 0
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+    def add(self, chunk: ScheduledChunk) -> None:
+        self.chunks.append(chunk)
+        self.num_batched_tokens += chunk.num_tokens
+
+    def drop(self, seq: Sequence) -> None:
+        """Take ``seq``'s chunk (if scheduled) back out of the step."""
+        for chunk in [c for c in self.chunks if c.seq is seq]:
+            self.chunks.remove(chunk)
+            self.num_batched_tokens -= chunk.num_tokens
 
     @property
     def num_decodes(self) -> int:
@@ -101,17 +110,19 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if self._make_room(seq, seq.num_computed + n, out):
                 self.blocks.append_slot(seq.request_id, seq.num_computed + n)
-                out.chunks.append(ScheduledChunk.of(seq, n))
+                out.add(ScheduledChunk.of(seq, n))
         if not out.preempted:  # under memory pressure, let running requests finish first
             self._admit_waiting(self.config.max_num_batched_tokens - out.num_batched_tokens, out)
         return out
 
     def commit(self, out: SchedulerOutput) -> None:
         """Record that the runner computed the scheduled chunks (before new tokens append)."""
+        bs = self.blocks.block_size
         for chunk in out.chunks:
             seq = chunk.seq
             seq.num_computed = chunk.start + chunk.num_tokens
-            self.blocks.commit(seq.request_id, seq.all_ids(), seq.num_computed)
+            if seq.num_computed // bs > chunk.start // bs:  # a block became full: register it
+                self.blocks.commit(seq.request_id, seq.all_ids(), seq.num_computed)
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -126,7 +137,7 @@ class Scheduler:
             seq.num_cached_prompt = seq.num_computed
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.chunks.append(ScheduledChunk.of(seq, n))
+            out.add(ScheduledChunk.of(seq, n))
             budget -= n
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
@@ -139,9 +150,7 @@ class Scheduler:
         return True
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
-        scheduled = [c for c in out.chunks if c.seq is victim]
-        for chunk in scheduled:
-            out.chunks.remove(chunk)
+        out.drop(victim)
         self.running.remove(victim)
         self.blocks.free(victim.request_id)
         victim.num_computed = 0

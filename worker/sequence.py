@@ -47,6 +47,11 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_at(self, position: int) -> int:
+        """The token at ``position`` without building ``all_ids()`` (a decode step's input)."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+
     def sort_key(self) -> tuple[int, int, float, int]:
         """Scheduling order: lane, then priority, then earliest deadline, then arrival."""
         deadline = math.inf if self.deadline_ms is None else self.deadline_ms

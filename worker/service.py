@@ -393,6 +393,7 @@ async def serve(settings: Settings) -> None:
         kv_cache_gb=settings.kv_cache_gb,
         kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
         prefix_caching=settings.prefix_caching,
+        cuda_graphs=settings.cuda_graphs,
     ))
     print(f"tidegate worker: {engine.kv_spec.describe()}", flush=True)
     shedder = LoadShedder(ShedderConfig(enabled=settings.load_shedding,

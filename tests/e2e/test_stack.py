@@ -117,6 +117,14 @@ def test_cli_bad_input_exits_2_with_a_message(stack: str) -> None:
     assert out.returncode == 2 and "max_tokens" in out.stderr and "Traceback" not in out.stderr
     out = cli("up", "--model", "/no/such/model", "--port", "0")
     assert out.returncode == 2 and "/no/such/model" in out.stderr and "Traceback" not in out.stderr
+    out = cli("worker", "--device", "gpu")
+    assert out.returncode == 2 and "device" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_cli_worker_on_cuda_without_a_gpu_exits_2() -> None:
+    out = cli("worker", "--device", "cuda")
+    assert out.returncode == 2 and "no CUDA device" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_official_openai_client_against_the_real_worker(stack: str) -> None:

