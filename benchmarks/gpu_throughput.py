@@ -9,6 +9,8 @@ Sections (``--only`` picks some; default all but ``hf``):
   kernels   each Triton kernel's achieved bandwidth (bytes it must move / time) vs the copy.
   batch1    one request, 128 prompt tokens, 256 output tokens: tok/s and model bandwidth
             utilisation (weights + KV bytes read per step / step time / copy bandwidth).
+  profile1  where a batch-1 decode step's time goes: torch.profiler over 32 steps, device
+            kernels summed by name, and the device's busy time against the wall.
   offline   1000 prompts 256 in / 256 out, all submitted at once: output tok/s.
   mixed     256 prompts, input and output lengths uniform in 100-1024: output tok/s.
   hfset     tidegate on the prompt set of ``hf`` (256 prompts, 256 in / 256 out).
@@ -42,7 +44,7 @@ from tidegate.protocol import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from worker.loader import load_model  # noqa: E402
 
-SECTIONS = ("ceilings", "kernels", "batch1", "offline", "mixed", "hfset", "hf")
+SECTIONS = ("ceilings", "kernels", "batch1", "profile1", "offline", "mixed", "hfset", "hf")
 MODEL = "random:llama-3-8b"
 
 
@@ -185,6 +187,35 @@ def batch1(loaded, copy_tbs: float) -> dict[str, float]:
     return {**res, "decode_tok_s": tok_s, "bytes_per_step": step_bytes, "mbu": mbu}
 
 
+def profile1(loaded) -> dict[str, object]:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = make_engine(loaded, 8, 2048, 4096)
+    rng = random.Random(5)
+    for prompt, _ in random_prompts(rng, 1, 128, 128, 1, 1, loaded.config.vocab_size):
+        engine.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=200,
+                                                                     ignore_eos=True)))
+    for _ in range(40):
+        engine.step()
+    torch.cuda.synchronize()
+    steps = 32
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels: dict[str, float] = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0) or 0
+        if device_us > 0:
+            kernels[event.key[:80]] = device_us / steps
+    busy = sum(kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    return {"wall_us_per_step": 1e6 * wall / steps, "device_busy_us_per_step": busy,
+            "top_kernels_us_per_step": top}
+
+
 def offline(loaded) -> dict[str, float]:
     engine = make_engine(loaded, 1024, 16384, 4096)
     rng = random.Random(2)
@@ -268,10 +299,11 @@ def main() -> None:
         results["kernels"] = kernel_bandwidth(copy_tbs)
         save()
     loaded = None
-    if {"batch1", "offline", "mixed", "hfset"} & set(args.only):
+    if {"batch1", "profile1", "offline", "mixed", "hfset"} & set(args.only):
         torch.manual_seed(0)
         loaded = load_model(MODEL, device="cuda", dtype=torch.bfloat16)
     for name, fn in (("batch1", lambda: batch1(loaded, copy_tbs)),
+                     ("profile1", lambda: profile1(loaded)),
                      ("offline", lambda: offline(loaded)), ("mixed", lambda: mixed(loaded)),
                      ("hfset", lambda: hfset(loaded))):
         if name in args.only:
@@ -291,7 +323,7 @@ def main() -> None:
     for row in results.get("kernels", []):  # type: ignore[union-attr]
         print(f"  {row['kernel']:<44} {row['ms']:8.3f} ms {row['TBps']:5.2f} TB/s "
               f"({100 * row['of_copy']:.0f}% of copy)")
-    for name in ("batch1", "offline", "mixed", "hfset", "hf_generate_batch"):
+    for name in ("batch1", "profile1", "offline", "mixed", "hfset", "hf_generate_batch"):
         if name in results:
             print(name, {k: (round(v, 3) if isinstance(v, float) else v)
                          for k, v in results[name].items()})  # type: ignore[union-attr]

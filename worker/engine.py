@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,8 +23,8 @@ from worker.detokenizer import IncrementalDetokenizer
 from worker.kv_cache import KVCacheSpec, plan_kv_cache
 from worker.model_runner import ModelRunner
 from worker.models.llama import LlamaModel
-from worker.sampler import TokenLogprobs
-from worker.scheduler import Scheduler, SchedulerConfig
+from worker.sampler import SamplerOutput, TokenLogprobs
+from worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.sequence import SeqStatus, Sequence
 
 log = logging.getLogger("tidegate.engine")
@@ -47,6 +48,12 @@ class EngineConfig:
     # CUDA only: replay decode steps from CUDA graphs (captured at start-up for batch sizes up to
     # max_num_seqs); False runs every step eagerly.
     cuda_graphs: bool = True
+    # Detokenize and build a step's outputs while the next step runs on the device, instead of
+    # before launching it. ``step()`` then returns the outputs of the step before the one it
+    # launched (the same outputs, one call later); a stop string is found one step late, and
+    # the extra token computed for that request is dropped. None: on for CUDA, off on the CPU
+    # (where nothing runs asynchronously, so there is nothing to overlap).
+    async_output: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -114,6 +121,10 @@ class Engine:
             model, self.kv_spec, max_model_len=config.max_model_len,
             cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0)
         self.stats = EngineStats()
+        self.async_output = (config.async_output if config.async_output is not None
+                             else param.device.type == "cuda")
+        # The launched step whose tokens have not been read back yet (async_output only).
+        self._inflight: tuple[SchedulerOutput, Callable[[], SamplerOutput]] | None = None
         self._seqs: dict[str, Sequence] = {}
         self._aborted: dict[str, FinishReason] = {}
         self._arrivals = itertools.count()
@@ -160,7 +171,7 @@ class Engine:
             self._aborted.setdefault(request_id, reason)
 
     def has_unfinished(self) -> bool:
-        return bool(self._seqs)
+        return bool(self._seqs) or self._inflight is not None
 
     @property
     def num_active(self) -> int:
@@ -190,6 +201,8 @@ class Engine:
         # Held-back text (a possible stop string's start) is dropped: no token carries it.
         outputs = [self._finish(seq, self._aborted[seq.request_id], None, "") for seq in aborted]
         self._aborted.clear()
+        if self.async_output:
+            return outputs + self._step_overlapped()
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
         if not sched.chunks:
@@ -198,19 +211,68 @@ class Engine:
         with torch.inference_mode():
             sampled = self.runner.run(sched, tables)
         self.scheduler.commit(sched)
-        self.stats.steps += 1
-        self.stats.decode_tokens += sched.num_decodes
-        self.stats.prompt_tokens_computed += sched.num_batched_tokens - sched.num_decodes
+        self._count(sched)
         sampling = [c.seq for c in sched.chunks if c.samples]
         for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
             outputs.append(self._advance(seq, _Sampled(token, lp)))
         return outputs
 
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Read back the launched step, launch the next, then build the first one's outputs
+        while the device computes the second."""
+        outputs: list[RequestOutput] = []
+        deferred: list[tuple[Sequence, _Sampled]] = []
+        if self._inflight is not None:
+            sched, result = self._inflight
+            self._inflight = None
+            sampled = result()
+            # A request finished after this step was launched (a stop string, an abort) has
+            # freed its blocks: its chunk is not committed and its token is dropped.
+            live = [c for c in sched.chunks if c.seq.status is not SeqStatus.FINISHED]
+            self.scheduler.commit(SchedulerOutput(live, num_batched_tokens=0))
+            self._count(sched)
+            sampling = [c.seq for c in sched.chunks if c.samples]
+            for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs,
+                                      strict=True):
+                if seq.status is SeqStatus.FINISHED:
+                    continue
+                seq.output_ids.append(token)
+                if self._ends_on_token(seq, token):  # decided before the next step is built
+                    outputs.append(self._emit(seq, _Sampled(token, lp)))
+                else:
+                    deferred.append((seq, _Sampled(token, lp)))
+        sched = self.scheduler.schedule()
+        self.stats.preemptions += len(sched.preempted)
+        if sched.chunks:
+            tables = [self.blocks.block_table(c.seq.request_id) for c in sched.chunks]
+            with torch.inference_mode():
+                self._inflight = (sched, self.runner.launch(sched, tables))
+        # The device is busy with the next step; detokenize this one meanwhile.
+        outputs.extend(self._emit(seq, sampled) for seq, sampled in deferred)
+        return outputs
+
+    def _count(self, sched: SchedulerOutput) -> None:
+        self.stats.steps += 1
+        self.stats.decode_tokens += sched.num_decodes
+        self.stats.prompt_tokens_computed += sched.num_batched_tokens - sched.num_decodes
+
     # ------------------------------------------------------------------ per token
 
+    def _ends_on_token(self, seq: Sequence, token: int) -> bool:
+        """Whether the token just appended ends the request whatever its text says."""
+        params = seq.params
+        return ((token in self.tokenizer.eos_token_ids and not params.ignore_eos)
+                or token in params.stop_token_ids
+                or len(seq.output_ids) >= params.max_tokens
+                or seq.num_tokens >= self.config.max_model_len)
+
     def _advance(self, seq: Sequence, sampled: _Sampled) -> RequestOutput:
+        seq.output_ids.append(sampled.token)
+        return self._emit(seq, sampled)
+
+    def _emit(self, seq: Sequence, sampled: _Sampled) -> RequestOutput:
+        """The output for a token already appended to ``seq``; finishes it where it ends."""
         token, params = sampled.token, seq.params
-        seq.output_ids.append(token)
         is_eos = token in self.tokenizer.eos_token_ids and not params.ignore_eos
         if is_eos or token in params.stop_token_ids:
             return self._finish(seq, "stop", sampled, seq.detokenizer.flush())

@@ -8,6 +8,7 @@ through ``kernels.ops``; only the chunks that reach their sequence's end are sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,12 @@ class ModelRunner:
 
     def run(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> SamplerOutput:
         """Compute every scheduled chunk; sample the next token of each sampling chunk."""
+        return self.launch(sched, block_tables)()
+
+    def launch(self, sched: SchedulerOutput, block_tables: list[list[int]]
+               ) -> Callable[[], SamplerOutput]:
+        """``run`` without the final wait: the step is queued (asynchronously on a GPU) and the
+        returned function reads its sampled tokens back."""
         rows = [c.seq for c in sched.chunks if c.samples]
         if self.graphs is not None and self._graph_step(sched):
             positions = [c.start for c in sched.chunks]
@@ -81,12 +88,12 @@ class ModelRunner:
                 [c.seq.token_at(c.start) for c in sched.chunks], positions,
                 [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)],
                 block_tables)
-            return self.sampler(self.model.compute_logits(hidden), rows)
+            return self.sampler.launch(self.model.compute_logits(hidden), rows)
         inp = self.prepare(sched, block_tables)
         hidden = self.model(inp.input_ids, inp.positions,
                             PagedAttention(self.kv_cache, inp.meta, self.scale))
         logits = self.model.compute_logits(hidden[inp.sample_rows])
-        return self.sampler(logits, rows)
+        return self.sampler.launch(logits, rows)
 
     def _graph_step(self, sched: SchedulerOutput) -> bool:
         """A decode-only step (every chunk one token, sampled) that fits a captured size."""

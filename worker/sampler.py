@@ -17,7 +17,7 @@ each step, on the tokens the sampler returns; so is calling ``free`` when a requ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,9 +62,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """logits [N, V] float32, the model's raw output, aligned with ``rows``."""
+        return self.launch(logits, rows)()
+
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+               ) -> Callable[[], SamplerOutput]:
+        """Queue the sampling (on a GPU it runs asynchronously) and return what reads the
+        chosen tokens back: the one host synchronisation of a step, left to the caller."""
         self._check(logits, rows)
         if not rows:
-            return SamplerOutput([], [])
+            return lambda: SamplerOutput([], [])
         params = [row.params for row in rows]
         raw = logits
         if any(_penalised(p) for p in params):
@@ -77,10 +83,14 @@ class Sampler:
             if sampled:
                 index = torch.tensor(sampled, device=logits.device)
                 chosen[index] = self._sample(logits[index], [rows[i] for i in sampled])
-        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-        if any(p.logprobs is not None for p in params):
-            logprobs = chosen_logprobs(raw, chosen, [p.logprobs for p in params])
-        return SamplerOutput(chosen.tolist(), logprobs)
+
+        def result() -> SamplerOutput:
+            logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+            if any(p.logprobs is not None for p in params):
+                logprobs = chosen_logprobs(raw, chosen, [p.logprobs for p in params])
+            return SamplerOutput(chosen.tolist(), logprobs)
+
+        return result
 
     def free(self, request_id: str) -> None:
         """Forget the request's generator; the same id later starts its stream anew."""
