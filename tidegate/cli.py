@@ -1,4 +1,4 @@
-"""The `tidegate` command: run any role, the whole stack, or submit a job.
+"""The `tidegate` command: run any role, the whole stack, submit a job, or inspect the queue.
 
 Bad input exits with code 2 and one line naming what is wrong; a job that fails exits 1.
 Roles are imported inside their commands so `tidegate submit` stays light.
@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
+import time
+import urllib.parse
 from collections.abc import Sequence
 
 from tidegate import __version__
+from tidegate.keys import WORKER_HEARTBEAT_TTL_S
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -223,7 +227,66 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lane", choices=["interactive", "batch"])
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
     p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("queue", help="inspect the job queue")
+    queue_sub = p.add_subparsers(dest="queue_command", required=True, metavar="SUBCOMMAND")
+    q = queue_sub.add_parser(
+        "stats", help="per lane: length, lag, pending, consumers, oldest job; live workers")
+    q.add_argument("--redis-url", help="default: env TIDEGATE_REDIS_URL or REDIS_URL, "
+                                      "else redis://127.0.0.1:6379/0")
+    q.add_argument("--partitions", type=int,
+                   help="lane partitions to read (default: TIDEGATE_LANE_PARTITIONS, 1)")
+    q.add_argument("--json", action="store_true", help="machine-readable output")
+    q.set_defaults(func=cmd_queue_stats)
     return parser
+
+
+def cmd_queue_stats(args: argparse.Namespace) -> int:
+    from redis.exceptions import RedisError
+
+    from tidegate.queue_stats import queue_stats
+    from tidegate.redis_conn import connect
+
+    settings = _settings(args)
+    partitions = args.partitions if args.partitions is not None else settings.lane_partitions
+    if partitions < 1:
+        raise CliError(f"--partitions: must be at least 1, got {partitions}")
+
+    async def snapshot() -> dict:
+        redis = connect(settings.redis_url)
+        try:
+            return (await queue_stats(redis, partitions)).to_dict()
+        finally:
+            await redis.aclose()
+
+    try:
+        stats = asyncio.run(snapshot())
+    except (RedisError, OSError) as exc:
+        where = urllib.parse.urlsplit(settings.redis_url)
+        raise CliError(f"cannot read the queue from Redis at {where.hostname}:{where.port or 6379}"
+                       f" ({type(exc).__name__}: {exc})", EXIT_FAILED) from None
+    if args.json:
+        print(json.dumps(stats, indent=1))
+        return 0
+    now_ms = stats["taken_ms"]
+    print(f"{'lane':<12} {'part':>4} {'length':>7} {'lag':>6} {'pending':>7} {'consumers':>9}"
+          f"  oldest waiting")
+    for lane in stats["lanes"]:
+        oldest = lane["oldest_waiting_s"]
+        print(f"{lane['lane']:<12} {lane['partition']:>4} {lane['length']:>7} {lane['lag']:>6} "
+              f"{lane['pending']:>7} {lane['consumers']:>9}  "
+              f"{'-' if oldest is None else f'{oldest:.1f} s'}")
+    workers = stats["workers"]
+    print(f"\nworkers: {len(workers)} live (heartbeat within the last "
+          f"{WORKER_HEARTBEAT_TTL_S} s)")
+    if workers:
+        print(f"{'worker':<28} {'running':>7} {'waiting':>7} {'tok/s':>8} {'KV used':>8}")
+        for w in workers:
+            print(f"{w['worker_id']:<28} {w['running']:>7} {w['waiting']:>7} "
+                  f"{w['tokens_per_s']:>8.1f} {100 * w['kv_usage']:>7.0f}%")
+    print(f"total: {stats['running']} running, {stats['tokens_per_s']} tok/s "
+          f"(at {time.strftime('%H:%M:%S', time.localtime(now_ms / 1000))})")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -238,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `tidegate queue stats --json | head`: the reader left
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - nothing more may reach the pipe
+        return 0
 
 
 if __name__ == "__main__":

@@ -144,3 +144,36 @@ def test_official_openai_client_against_the_real_worker(stack: str) -> None:
     text = client.completions.create(model=model, prompt="The capital of France is",
                                      max_tokens=5, temperature=0)
     assert text.choices[0].text and text.usage.prompt_tokens > 0
+
+
+def test_queue_stats_shows_the_live_worker_and_the_backlog(
+        stack: str, redis_server: RedisServer) -> None:
+    jobs = [httpx.post(f"{stack}/v1/jobs", json={"prompt": f"Count to {n}.", "max_tokens": 64,
+                                                 "lane": "batch"}, timeout=30)
+            for n in range(6)]
+    assert all(r.status_code in (200, 201, 202) for r in jobs), [r.text for r in jobs]
+    out = cli("queue", "stats", "--json", "--redis-url", redis_server.url)
+    assert out.returncode == 0, out.stderr
+    stats = json.loads(out.stdout)
+    lanes = {lane["lane"]: lane for lane in stats["lanes"]}
+    assert set(lanes) == {"interactive", "batch"}
+    assert lanes["batch"]["length"] >= 6  # acknowledged entries stay until trimmed
+    assert lanes["batch"]["consumers"] == 1  # the worker that read them
+    waiting = lanes["batch"]["lag"] + lanes["batch"]["pending"]
+    assert 0 <= waiting <= 6
+    assert len(stats["workers"]) == 1  # its heartbeat: running, waiting, tok/s, KV usage
+    worker = stats["workers"][0]
+    assert 0 <= worker["kv_usage"] <= 1 and worker["running"] >= 0
+    table = cli("queue", "stats", "--redis-url", redis_server.url)
+    assert table.returncode == 0, table.stderr
+    assert "batch" in table.stdout and "workers: 1 live" in table.stdout
+    assert worker["worker_id"] in table.stdout
+
+
+def test_queue_stats_errors_exit_with_a_message() -> None:
+    out = cli("queue", "stats", "--partitions", "0")
+    assert out.returncode == 2 and "--partitions" in out.stderr and "Traceback" not in out.stderr
+    out = cli("queue", "stats", "--redis-url", "redis://:hunter2@127.0.0.1:1/0", timeout=60)
+    assert out.returncode == 1 and "cannot read the queue" in out.stderr
+    assert "hunter2" not in out.stderr and "Traceback" not in out.stderr
+
