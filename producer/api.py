@@ -34,6 +34,7 @@ from producer.socket_submit import SocketSubmit
 from tidegate.auth import Auth, AuthError, job_access, new_stream_token, token_hash
 from tidegate.event_hub import EventHub
 from tidegate.jobstore import enqueue, read_result, request_cancel
+from tidegate.operator_routes import metrics_response, readiness_response
 from tidegate.protocol import Job, JobRequest
 from tidegate.redis_conn import connect
 from tidegate.settings import Settings
@@ -60,6 +61,8 @@ class ProducerAPI:
             Route("/v1/jobs/{job_id}", self.get_job, methods=["GET"]),
             Route("/v1/jobs/{job_id}/cancel", self.cancel, methods=["POST"]),
             Route("/healthz", self.healthz, methods=["GET"]),
+            Route("/readyz", self.readyz, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
         ]
         # Routing errors (404 no route, 405) in the same JSON shape; pass to the app.
         self.exception_handlers: Mapping[Any, Any] = {
@@ -191,6 +194,17 @@ class ProducerAPI:
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
+
+    async def readyz(self, request: Request) -> Response:
+        """Ready: started (tokenizer loaded for admission) and Redis answers."""
+        if self._admission is None or self._redis is None:
+            return JSONResponse({"ready": False, "reason": "starting"}, 503)
+        return await readiness_response(self._redis)
+
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus: the queue per lane and the live workers (no key: scrapers hold none;
+        nothing here names a job or a tenant)."""
+        return await metrics_response(self._connected(), self.settings.lane_partitions)
 
     async def _admit(self, job_request: JobRequest) -> JobRequest:
         if self._admission is None:

@@ -32,6 +32,7 @@ from starlette.websockets import WebSocket
 
 from tidegate.auth import Auth, AuthError, job_access
 from tidegate.event_hub import EventHub, Lagging
+from tidegate.operator_routes import metrics_response, readiness_response
 from tidegate.queue_stats import queue_stats
 from tidegate.redis_conn import connect
 from tidegate.settings import Settings
@@ -56,6 +57,8 @@ class Gateway:
             Route("/", self.page, methods=["GET"]),
             Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
             Route("/healthz", self.healthz, methods=["GET"]),
+            Route("/readyz", self.readyz, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
         ]
 
     @property
@@ -80,6 +83,24 @@ class Gateway:
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
+
+    async def readyz(self, request: Request) -> Response:
+        """Ready: started and Redis answers."""
+        if self._redis is None or self._hub is None:
+            return JSONResponse({"ready": False, "reason": "starting"}, 503)
+        return await readiness_response(self._redis)
+
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus: the queue, plus this process's watchers (no key, no job names)."""
+        hub = self.hub
+        return await metrics_response(self._connected(), self.settings.lane_partitions, {
+            "tidegate_gateway_watchers": ("Clients watching a job on this process.",
+                                          hub.watchers),
+            "tidegate_gateway_watched_jobs": ("Jobs this process is subscribed to.",
+                                              hub.watched_jobs),
+            "tidegate_gateway_direct_sends": ("Events written straight to idle watchers' "
+                                              "sockets since start.", hub.direct_sends),
+        })
 
     async def page(self, request: Request) -> Response:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})

@@ -112,8 +112,12 @@ def combined_app(settings: Settings):  # -> Starlette
             await gateway.stop()
             await api.stop()
 
-    gateway_routes = [r for r in gateway.routes if getattr(r, "path", "") != "/healthz"]
-    return Starlette(routes=[*api.routes, *gateway_routes], lifespan=lifespan,
+    # One process: the API's probes (its readiness covers admission), the gateway's /metrics
+    # (the queue plus its watchers).
+    api_routes = [r for r in api.routes if getattr(r, "path", "") != "/metrics"]
+    gateway_routes = [r for r in gateway.routes
+                      if getattr(r, "path", "") not in ("/healthz", "/readyz")]
+    return Starlette(routes=[*api_routes, *gateway_routes], lifespan=lifespan,
                      exception_handlers=dict(api.exception_handlers))
 
 

@@ -29,6 +29,8 @@ class Settings(BaseSettings):
     prefix_caching: bool = True
     # CUDA: replay decode steps from CUDA graphs captured at start-up (False: eager steps).
     cuda_graphs: bool = True
+    # The worker's /metrics, /healthz and /readyz (on ``host``); 0 turns them off.
+    metrics_port: int = Field(default=9400, ge=0, le=65535)
     load_shedding: bool = True
     # Finish-time estimates are multiplied by this before comparing them with deadlines.
     shedding_safety: float = Field(default=1.25, ge=1.0, le=10.0)

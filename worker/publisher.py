@@ -32,6 +32,7 @@ from tidegate.protocol import (
 )
 from worker.engine import RequestOutput
 from worker.intake import Delivery, StreamIntake
+from worker.metrics import OUTCOMES, WorkerMetrics, outcome_of_finish
 
 
 @dataclass(slots=True)
@@ -44,6 +45,7 @@ class ActiveJob:
     prompt_tokens: int
     started_ms: int
     first_token_ms: int | None = None
+    last_token_ms: int | None = None
 
     def take_id(self) -> int:
         self.next_event_id += 1
@@ -62,12 +64,13 @@ class StepBatch:
 class EventPublisher:
     def __init__(
         self, redis: aioredis.Redis, intake: StreamIntake, worker_id: str,
-        *, ttl_s: int = keys.JOB_TTL_S,
+        *, ttl_s: int = keys.JOB_TTL_S, metrics: WorkerMetrics | None = None,
     ) -> None:
         self.redis = redis
         self.intake = intake
         self.worker_id = worker_id
         self.ttl_s = ttl_s
+        self.metrics = metrics or WorkerMetrics()
 
     async def start(
         self, job: Job, delivery: Delivery, prompt_tokens: int, *, restarted: bool
@@ -93,6 +96,9 @@ class EventPublisher:
             job = active[out.request_id]
             if out.token_id is not None:
                 job.first_token_ms = job.first_token_ms or stamp
+                if job.last_token_ms is not None:
+                    self.metrics.inter_token.observe((stamp - job.last_token_ms) / 1000)
+                job.last_token_ms = stamp
                 batch.events.append((job.job.id, self._token(job, out)))
             if out.finish_reason is not None:
                 self._finish(batch, job, out, stamp)
@@ -138,6 +144,13 @@ class EventPublisher:
         batch.statuses.append((job.job.id, "done", {"result": json.dumps(result)}))
         batch.events.append((job.job.id, done.model_dump_json()))
         batch.finished.append(job)
+        m = self.metrics
+        m.queue_wait.observe(timings.queue_ms / 1000)
+        m.ttft.observe(timings.ttft_ms / 1000)
+        m.e2e.observe(timings.total_ms / 1000)
+        m.prompt_tokens.inc(usage.prompt_tokens)
+        m.generation_tokens.inc(usage.completion_tokens)
+        m.outcome(outcome_of_finish(reason))
 
     # ------------------------------------------------------------------ jobs that never run
 
@@ -159,6 +172,7 @@ class EventPublisher:
             add_event(pipe, job_id, event.model_dump_json(), ttl_s=self.ttl_s)
             await pipe.execute()
         await self.intake.ack([delivery])
+        self.metrics.outcome(code if code in OUTCOMES else "error")
 
     async def cancelled_before_start(self, delivery: Delivery) -> None:
         """A job whose cancel was requested before this worker could run it."""
@@ -175,6 +189,7 @@ class EventPublisher:
                           statuses=[(job.id, "done", {"result": json.dumps(result)})])
         await self.flush(batch)
         await self.intake.ack([delivery])
+        self.metrics.outcome("cancelled")
 
     async def dead_letter(self, delivery: Delivery, *, lane: str, last_error: str) -> None:
         """Move a job that keeps failing to the lane's dead-letter stream and end it."""

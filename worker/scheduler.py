@@ -80,6 +80,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # kept sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Prompt tokens looked up in the prefix cache on admission, and those found there.
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -133,6 +136,8 @@ class Scheduler:
             if not self.blocks.can_allocate(ids, cached + n):
                 break
             self.waiting.pop(0)
+            self.prefix_query_tokens += len(ids)
+            self.prefix_hit_tokens += cached
             seq.num_computed = self.blocks.allocate(seq.request_id, ids, cached + n)
             seq.num_cached_prompt = seq.num_computed
             seq.status = SeqStatus.RUNNING

@@ -43,7 +43,9 @@ from worker.cpu_tuning import keep_large_allocations
 from worker.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from worker.intake import Delivery, StreamIntake
 from worker.load_shedder import Estimate, Load, LoadShedder, ShedderConfig
+from worker.metrics import WorkerMetrics
 from worker.publisher import ActiveJob, EventPublisher, StepBatch
+from worker.status_server import StatusServer
 
 log = logging.getLogger("tidegate.worker")
 
@@ -71,16 +73,20 @@ class WorkerService:
     def __init__(
         self, redis: aioredis.Redis, engine: Engine, *, worker_id: str | None = None,
         partitions: int = 1, ttl_s: int = keys.JOB_TTL_S, policy: QueuePolicy | None = None,
-        shedder: LoadShedder | None = None,
+        shedder: LoadShedder | None = None, metrics: WorkerMetrics | None = None,
+        status: StatusServer | None = None,
     ) -> None:
         self.redis = redis
         self.engine = engine
+        self.metrics = metrics or WorkerMetrics(engine)
+        self.status = status
         self.tokenizer = engine.tokenizer
         self.worker_id = worker_id or new_worker_id()
         self.policy = policy or QueuePolicy()
         self.shedder = shedder or LoadShedder()
         self.intake = StreamIntake(redis, self.worker_id, partitions=partitions)
-        self.publisher = EventPublisher(redis, self.intake, self.worker_id, ttl_s=ttl_s)
+        self.publisher = EventPublisher(redis, self.intake, self.worker_id, ttl_s=ttl_s,
+                                        metrics=self.metrics)
         self.active: dict[str, ActiveJob] = {}
         self._unsent: list[StepBatch] = []  # prepared but not yet written (Redis outage)
         self._drain_until: float | None = None
@@ -94,6 +100,8 @@ class WorkerService:
     def stop(self) -> None:
         """Begin a graceful drain (a second call ends it now)."""
         now = time.monotonic()
+        if self.status is not None:
+            self.status.draining = True
         if self._drain_until is None:
             self._drain_until = now + self.policy.drain_timeout_s
             log.info("draining: no new jobs; %d running", len(self.active))
@@ -112,6 +120,8 @@ class WorkerService:
             while not self._drained():
                 try:
                     await self._iteration()
+                    if self.status is not None:
+                        self.status.redis_ok = True
                 except ResponseError as exc:
                     if "NOGROUP" not in str(exc):
                         raise
@@ -120,6 +130,8 @@ class WorkerService:
                     await self.intake.ensure_groups()
                 except RedisError as exc:  # Redis restarting: keep the engine, retry the writes
                     log.warning("redis unavailable (%s); retrying", exc)
+                    if self.status is not None:
+                        self.status.redis_ok = False
                     await asyncio.sleep(0.5)
             await self._hand_back()
         finally:
@@ -378,6 +390,11 @@ async def serve(settings: Settings) -> None:
     from worker.loader import load_model
 
     keep_large_allocations()
+    status = None
+    if settings.metrics_port:  # up first: probes get answers while the model loads
+        status = StatusServer(settings.host, settings.metrics_port)
+        if not status.start():
+            status = None
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
@@ -400,12 +417,16 @@ async def serve(settings: Settings) -> None:
                                         safety=settings.shedding_safety))
     calibrate(engine, shedder)
     redis = connect(settings.redis_url, blocking_ms=IDLE_BLOCK_MS)
+    metrics = WorkerMetrics(engine)
     service = WorkerService(
         redis, engine, partitions=settings.lane_partitions, ttl_s=settings.job_ttl_s,
         policy=QueuePolicy(int(settings.visibility_timeout_s * 1000), settings.max_deliveries,
                            settings.drain_timeout_s),
-        shedder=shedder,
+        shedder=shedder, metrics=metrics, status=status,
     )
+    if status is not None:
+        status.registry = metrics.registry
+        status.model_loaded = True
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.stop)
@@ -413,3 +434,5 @@ async def serve(settings: Settings) -> None:
         await service.run()
     finally:
         await redis.aclose()
+        if status is not None:
+            status.stop()

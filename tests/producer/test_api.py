@@ -196,3 +196,14 @@ async def test_stream_url_uses_the_configured_gateway(redis_url: str) -> None:
         async with httpx.AsyncClient(base_url=url) as http:
             body = (await http.post("/v1/jobs", json={"prompt": "hi"})).json()
     assert body["stream_url"] == f"wss://gw.example/v1/jobs/{body['id']}/stream"
+
+
+async def test_readiness_and_queue_metrics(http: httpx.AsyncClient) -> None:
+    assert (await http.get("/readyz")).json() == {"ready": True, "reason": "ready"}
+    assert (await http.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 3})).status_code == 202
+    r = await http.get("/metrics")
+    assert r.status_code == 200 and "text/plain" in r.headers["content-type"]
+    lag = [line for line in r.text.splitlines()
+           if line.startswith('tidegate_queue_lag{lane="interactive",partition="0"}')]
+    assert lag and float(lag[0].split()[-1]) >= 1
+    assert "tidegate_redis_up 1.0" in r.text

@@ -16,6 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
@@ -31,6 +32,7 @@ from tests.streaming.test_gateway import (
     stream_url,
     subscribers,
 )
+from tidegate import keys
 from tidegate.jobstore import enqueue
 from tidegate.protocol import JobRequest, TokenEvent
 from tidegate.settings import Settings
@@ -388,3 +390,43 @@ async def test_queue_view_counts_waiting_jobs_and_live_workers(
     assert body["workers"] == [{"worker_id": "w-1", "running": 2, "waiting": 1,
                                 "tokens_per_s": 41.5, "kv_usage": 0.25}]
     assert (body["running"], body["tokens_per_s"]) == (2, 41.5)
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def test_metrics_and_readiness_follow_the_queue_and_redis(
+        gateway_http: str, aredis: aioredis.Redis, redis_server: RedisServer) -> None:
+    """What Prometheus scrapes and a readiness probe sees, with Redis up and then down."""
+    await aredis.delete(keys.lane_stream("interactive"))
+    for _ in range(3):
+        await new_job(aredis)
+    await aredis.set("tidegate:worker:{w-2}", json.dumps({"running": 1}), ex=15)
+    async with httpx.AsyncClient(timeout=10) as http:
+        assert (await http.get(f"{gateway_http}/readyz")).json() == {"ready": True,
+                                                                      "reason": "ready"}
+        r = await http.get(f"{gateway_http}/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        m = samples(r.text)
+        interactive = (("lane", "interactive"), ("partition", "0"))
+        assert m[("tidegate_queue_lag", interactive)] == 3
+        assert m[("tidegate_queue_length", interactive)] == 3
+        assert m[("tidegate_queue_pending", interactive)] == 0
+        assert m[("tidegate_queue_oldest_waiting_seconds", interactive)] >= 0
+        assert m[("tidegate_redis_up", ())] == 1 and m[("tidegate_workers_live", ())] >= 1
+        assert ("tidegate_gateway_watchers", ()) in m
+        redis_server.stop()
+        try:
+            started = time.perf_counter()
+            r = await http.get(f"{gateway_http}/readyz")
+            assert r.status_code == 503 and r.json()["reason"] == "Redis is unreachable"
+            m = samples((await http.get(f"{gateway_http}/metrics")).text)
+            assert m[("tidegate_redis_up", ())] == 0
+            assert time.perf_counter() - started < 8  # probes answer during an outage
+        finally:
+            redis_server.start()
+        async with asyncio.timeout(20):
+            while (await http.get(f"{gateway_http}/readyz")).status_code != 200:
+                await asyncio.sleep(0.1)

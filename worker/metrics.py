@@ -1,0 +1,92 @@
+"""A worker's Prometheus metrics: what it runs, how fast, and how every job ended.
+
+One ``WorkerMetrics`` per worker process, with its own registry (so tests and several services
+in one process never share counters). Latencies and outcomes are observed by the publisher as
+it writes each job's events; engine state (running, waiting, KV usage, prefix-cache hits,
+preemptions) is read from the engine at scrape time. Names follow vLLM's where one exists (the
+README maps them), prefixed ``tidegate_``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from worker.engine import Engine
+
+# Seconds; the same spread as vLLM's request-latency buckets, down to 1 ms for token gaps.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                   80.0, 160.0, 320.0, 640.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
+                     0.5, 0.75, 1.0, 2.5, 5.0)
+# How a job ended, as the ``reason`` label of tidegate_requests_finished_total.
+OUTCOMES = ("completed", "deadline_exceeded", "cannot_meet_deadline", "cancelled",
+            "dead_lettered", "error")
+
+
+class _EngineCollector(Collector):
+    """Engine state, read when Prometheus scrapes."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.engine
+        yield GaugeMetricFamily("tidegate_requests_running",
+                                "Requests in the engine's running batch.", engine.num_running)
+        yield GaugeMetricFamily("tidegate_requests_waiting",
+                                "Requests admitted by the worker, waiting for the engine.",
+                                engine.num_waiting)
+        yield GaugeMetricFamily("tidegate_kv_cache_usage_ratio",
+                                "Fraction of KV-cache blocks in use (1 = full).",
+                                engine.blocks.usage)
+        scheduler = engine.scheduler
+        yield CounterMetricFamily("tidegate_prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache.",
+                                  scheduler.prefix_query_tokens)
+        yield CounterMetricFamily("tidegate_prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache (not computed).",
+                                  scheduler.prefix_hit_tokens)
+        yield CounterMetricFamily("tidegate_num_preemptions",
+                                  "Requests preempted (blocks freed, recomputed later).",
+                                  engine.stats.preemptions)
+
+
+class WorkerMetrics:
+    def __init__(self, engine: Engine | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.queue_wait = Histogram(
+            "tidegate_queue_wait_seconds", "Enqueue to start on a worker.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "tidegate_time_to_first_token_seconds", "Enqueue to the first generated token.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram(
+            "tidegate_inter_token_latency_seconds", "Time between a job's consecutive tokens.",
+            buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram(
+            "tidegate_e2e_request_latency_seconds", "Enqueue to the job's final event.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(
+            "tidegate_prompt_tokens", "Prompt tokens of the jobs that ran.", registry=r)
+        self.generation_tokens = Counter(
+            "tidegate_generation_tokens", "Tokens generated.", registry=r)
+        self.finished = Counter(
+            "tidegate_requests_finished", "Jobs ended, by outcome.", ["reason"], registry=r)
+        for reason in OUTCOMES:  # every series exists from the start: rate() needs a zero
+            self.finished.labels(reason=reason)
+        if engine is not None:
+            r.register(_EngineCollector(engine))
+
+    def outcome(self, reason: str) -> None:
+        self.finished.labels(reason=reason).inc()
+
+
+def outcome_of_finish(finish_reason: str) -> str:
+    """The outcome label of a job the engine ran, from its finish reason."""
+    return {"deadline": "deadline_exceeded", "cancelled": "cancelled"}.get(
+        finish_reason, "completed")
