@@ -4,12 +4,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tidegate-installed
 
-.PHONY: up test setup redis-server browser lint clean
+.PHONY: up test setup redis-server browser compose-tools lint clean
 
 up: setup
 	$(BIN)/tidegate up
 
-test: setup redis-server browser
+test: setup redis-server browser compose-tools
 	$(BIN)/python -m pytest -q
 
 setup: $(STAMP)
@@ -30,6 +30,10 @@ redis-server:
 # never a downloaded browser).
 browser:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver; }
+
+# Debian's docker-compose validates compose/docker-compose.yml in tests/compose.
+compose-tools:
+	@command -v docker-compose >/dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose; }
 
 lint: setup
 	$(BIN)/ruff check .
