@@ -238,6 +238,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lane partitions to read (default: TIDEGATE_LANE_PARTITIONS, 1)")
     q.add_argument("--json", action="store_true", help="machine-readable output")
     q.set_defaults(func=cmd_queue_stats)
+
+    p = sub.add_parser("batch", help="offline batches: JSONL in, JSONL out")
+    batch_sub = p.add_subparsers(dest="batch_command", required=True, metavar="SUBCOMMAND")
+    b = batch_sub.add_parser("submit", help="submit a JSONL file of requests; prints its id")
+    b.add_argument("file", help="OpenAI Batch-style lines: {custom_id, body}; - for stdin")
+    b = batch_sub.add_parser("status", help="progress of a batch")
+    b.add_argument("batch_id")
+    b.add_argument("--wait", action="store_true", help="follow the progress bar to the end")
+    b.add_argument("--json", action="store_true", help="machine-readable output")
+    b = batch_sub.add_parser("results", help="one output line per input line, in input order")
+    b.add_argument("batch_id")
+    b.add_argument("-o", "--output", help="file to write (default: stdout)")
+    b = batch_sub.add_parser("cancel", help="cancel a batch's unfinished lines")
+    b.add_argument("batch_id")
+    for b in batch_sub.choices.values():
+        b.add_argument("--redis-url", help="default: env TIDEGATE_REDIS_URL or REDIS_URL")
+        b.set_defaults(func=cmd_batch)
+
+    p = sub.add_parser("batch-worker", help="run batches (an arq worker; needs a real Redis)")
+    p.add_argument("--redis-url", help="default: env TIDEGATE_REDIS_URL or REDIS_URL")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
+    p.set_defaults(func=cmd_batch_worker)
     return parser
 
 
@@ -286,6 +308,110 @@ def cmd_queue_stats(args: argparse.Namespace) -> int:
                   f"{w['tokens_per_s']:>8.1f} {100 * w['kv_usage']:>7.0f}%")
     print(f"total: {stats['running']} running, {stats['tokens_per_s']} tok/s "
           f"(at {time.strftime('%H:%M:%S', time.localtime(now_ms / 1000))})")
+    return 0
+
+
+def _batch_redis(args: argparse.Namespace):  # -> (Settings, redis)
+    from tidegate.redis_conn import connect
+
+    settings = _settings(args)
+    return settings, connect(settings.redis_url)
+
+
+def _redis_failure(settings, exc: Exception) -> CliError:  # noqa: ANN001
+    where = urllib.parse.urlsplit(settings.redis_url)
+    return CliError(f"cannot reach Redis at {where.hostname}:{where.port or 6379} "
+                    f"({type(exc).__name__}: {exc})", EXIT_FAILED)
+
+
+def _batch_id(raw: str) -> str:
+    from tidegate.keys import BATCH_ID_RE
+
+    if not BATCH_ID_RE.match(raw):
+        raise CliError(f"batch id: {raw!r} is not a batch id (batch_ and 32 hex digits)")
+    return raw
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from redis.exceptions import RedisError
+
+    from producer import batch
+
+    settings, redis = _batch_redis(args)
+
+    async def run() -> int:
+        try:
+            return await _batch_command(args, redis, batch)
+        finally:
+            await redis.aclose()
+
+    try:
+        return asyncio.run(run())
+    except batch.BatchInputError as exc:
+        raise CliError(f"{args.file}: {exc}") from None
+    except (RedisError, OSError) as exc:
+        raise _redis_failure(settings, exc) from None
+
+
+async def _batch_command(args: argparse.Namespace, redis, batch) -> int:  # noqa: ANN001
+    if args.batch_command == "submit":
+        try:
+            text = sys.stdin.read() if args.file == "-" else open(args.file).read()  # noqa: SIM115
+        except OSError as exc:
+            raise CliError(f"{args.file}: {exc.strerror}") from None
+        batch_id = await batch.submit(redis, text)
+        print(batch_id)
+        return 0
+    batch_id = _batch_id(args.batch_id)
+    if args.batch_command == "cancel":
+        state = await batch.cancel(redis, batch_id)
+    else:
+        state = await batch.status(redis, batch_id)
+    if state is None:
+        raise CliError(f"batch {batch_id} not found (unknown, or past its retention)",
+                       EXIT_FAILED)
+    if args.batch_command == "results":
+        try:
+            lines = await batch.results(redis, batch_id)
+        except RuntimeError as exc:
+            raise CliError(str(exc), EXIT_FAILED) from None
+        text = "".join(line + "\n" for line in lines)
+        if args.output in (None, "-"):
+            sys.stdout.write(text)
+        else:
+            with open(args.output, "w") as out:
+                out.write(text)
+            print(f"{len(lines)} lines ({state.failed} errors) -> {args.output}",
+                  file=sys.stderr)
+        return 0
+    quiet = getattr(args, "json", False)  # --json --wait: only the final object
+    while args.batch_command == "status" and args.wait and state.status not in (
+            "completed", "cancelled"):
+        if not quiet:
+            _progress(state, end="\r")
+        await asyncio.sleep(0.5)
+        state = await batch.status(redis, batch_id) or state
+    if getattr(args, "json", False):
+        print(json.dumps(state.to_dict()))
+    else:
+        _progress(state)
+    return 0
+
+
+def _progress(state, end: str = "\n") -> None:  # noqa: ANN001
+    width = 30
+    filled = width * state.done // max(state.total, 1)
+    bar = "#" * filled + "-" * (width - filled)
+    print(f"{state.batch_id} [{bar}] {state.done}/{state.total} "
+          f"({state.failed} failed) {state.status}", end=end, flush=True)
+
+
+def cmd_batch_worker(args: argparse.Namespace) -> int:
+    from producer.batch_worker import make_worker
+
+    settings = _settings(args)
+    worker = make_worker(settings.redis_url)
+    worker.run()
     return 0
 
 

@@ -77,3 +77,32 @@ IDEMPOTENCY_TTL_S = 24 * 3600
 VISIBILITY_TIMEOUT_MS = 30_000
 # After this many deliveries a job goes to the dead-letter stream instead of running again.
 MAX_DELIVERIES = 3
+
+
+# ---------------------------------------------------------------- batches (arq)
+
+# arq's queue for batch orchestration (arq's own keys: not hash-tagged, one Redis or one slot).
+BATCH_ARQ_QUEUE = f"{PREFIX}:arq"
+BATCH_ID_RE = re.compile(r"^batch_[0-9a-f]{32}$")
+# A batch's records outlive its completion by this long (results stay downloadable).
+BATCH_TTL_S = 7 * 24 * 3600
+
+
+def batch_hash(batch_id: str) -> str:
+    """The batch's state: status, total, counts, cursor, timestamps."""
+    return f"{PREFIX}:batch:{{{batch_id}}}"
+
+
+def batch_lines(batch_id: str) -> str:
+    """List of the input lines, normalised to {"custom_id", "body"} JSON, in input order."""
+    return f"{PREFIX}:batch:{{{batch_id}}}:lines"
+
+
+def batch_enqueued(batch_id: str) -> str:
+    """Hash: line index -> the lane stream entry of its job (written after the entry)."""
+    return f"{PREFIX}:batch:{{{batch_id}}}:enqueued"
+
+
+def batch_results(batch_id: str) -> str:
+    """Hash: line index -> the line's output JSON, written once per line."""
+    return f"{PREFIX}:batch:{{{batch_id}}}:results"

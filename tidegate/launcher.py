@@ -135,6 +135,23 @@ def _spawn_worker(settings: Settings) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tidegate.cli", "worker"], env=env)
 
 
+def _spawn_batch_worker(settings: Settings) -> subprocess.Popen | None:
+    """The arq batch worker, where Redis can run it (arq needs INFO, which fakeredis lacks)."""
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        client.info("server")
+    except redis.exceptions.RedisError:
+        log.warning("this Redis has no INFO (embedded fakeredis): batches (tidegate batch) "
+                    "need a real redis-server; no batch worker started")
+        return None
+    finally:
+        client.close()
+    env = dict(os.environ)
+    env["TIDEGATE_REDIS_URL"] = settings.redis_url
+    return subprocess.Popen([sys.executable, "-m", "tidegate.cli", "batch-worker",
+                             "--log-level", "WARNING"], env=env)
+
+
 async def _wait_for_worker(settings: Settings, proc: subprocess.Popen) -> bool:
     """True once a worker heartbeats; False if the child died first."""
     client = redis.asyncio.Redis.from_url(settings.redis_url)
@@ -165,6 +182,7 @@ async def _serve(settings: Settings) -> int:
                 getattr(self, "_captured_signals", []).clear()
 
     worker = _spawn_worker(settings)
+    batch_worker = _spawn_batch_worker(settings)
     server = UpServer(uvicorn.Config(
         combined_app(settings), host=settings.host, port=settings.port,
         log_level=settings.log_level.lower(), lifespan="on", **UVICORN_OPTIONS,
@@ -190,12 +208,16 @@ async def _serve(settings: Settings) -> int:
         await server.serve()
     finally:
         announcer.cancel()
-        if worker.poll() is None:
-            worker.terminate()
+        for child in (worker, batch_worker):
+            if child is not None and child.poll() is None:
+                child.terminate()
+        for child in (worker, batch_worker):
+            if child is None:
+                continue
             try:
-                await asyncio.wait_for(asyncio.to_thread(worker.wait), 30)
+                await asyncio.wait_for(asyncio.to_thread(child.wait), 30)
             except TimeoutError:
-                worker.kill()
+                child.kill()
         watcher.cancel()
     return 0 if worker.returncode in (0, -15, None) else 1
 

@@ -65,11 +65,11 @@ def test_compose_file_matches_the_compose_specification() -> None:
 
 def test_compose_requirements_redis_aof_gpu_and_healthchecks() -> None:
     services = compose()["services"]
-    assert {"redis", "api", "gateway", "worker", "prometheus"} <= set(services)
+    assert {"redis", "api", "gateway", "worker", "batch-worker", "prometheus"} <= set(services)
     assert "--appendonly" in services["redis"]["command"]
     devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]
-    for name in ("redis", "api", "gateway", "worker"):
+    for name in ("redis", "api", "gateway", "worker", "batch-worker"):
         assert "healthcheck" in services[name], name
 
 
@@ -120,6 +120,7 @@ def parse(args: list[str]) -> object:
 def test_commands_parse_with_the_cli_and_ports_agree() -> None:
     services = compose()["services"]
     seen = set()
+    assert parse(services["batch-worker"]["command"]).command == "batch-worker"
     for name in ("api", "gateway", "worker"):
         args = services[name]["command"]
         assert parse(args).command == name
@@ -171,7 +172,7 @@ def test_environment_variables_are_tidegate_settings() -> None:
     known = {f"TIDEGATE_{name.upper()}" for name in Settings.model_fields} | OTHER_ENV
     names = set()
     services = compose()["services"]
-    for name in ("api", "gateway", "worker"):
+    for name in ("api", "gateway", "worker", "batch-worker"):
         names |= set(services[name]["environment"])
     config = next(d for d in k8s_docs() if d["kind"] == "ConfigMap")
     names |= set(config["data"])

@@ -177,3 +177,21 @@ def test_queue_stats_errors_exit_with_a_message() -> None:
     assert out.returncode == 1 and "cannot read the queue" in out.stderr
     assert "hunter2" not in out.stderr and "Traceback" not in out.stderr
 
+
+def test_up_runs_batches(stack: str, redis_server: RedisServer, tmp_path) -> None:  # noqa: ANN001
+    lines = [{"custom_id": f"q{i}", "body": {"messages": [
+        {"role": "user", "content": f"What is {i} plus {i}?"}], "max_tokens": 8}}
+        for i in range(12)]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = cli("batch", "submit", str(path), "--redis-url", redis_server.url)
+    assert out.returncode == 0, out.stderr
+    batch_id = out.stdout.strip()
+    status = cli("batch", "status", batch_id, "--wait", "--json", "--redis-url",
+                 redis_server.url, timeout=300)
+    assert status.returncode == 0 and json.loads(status.stdout)["status"] == "completed"
+    results = cli("batch", "results", batch_id, "--redis-url", redis_server.url)
+    rows = [json.loads(x) for x in results.stdout.splitlines()]
+    assert [r["custom_id"] for r in rows] == [f"q{i}" for i in range(12)]
+    assert all(r["error"] is None and r["response"]["body"]["text"] for r in rows)
+
