@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -150,6 +151,22 @@ async def _startup(ctx: dict[str, Any]) -> None:
 
 async def _shutdown(ctx: dict[str, Any]) -> None:
     await ctx["tidegate_redis"].aclose()
+
+
+def redis_check(redis_url: str) -> Callable[[], str | None]:
+    """Readiness for the batch worker's status port: Redis answers a PING within 2 s."""
+    import redis as sync_redis
+
+    client = sync_redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+
+    def check() -> str | None:
+        try:
+            client.ping()
+        except (sync_redis.RedisError, OSError):
+            return "Redis is unreachable"
+        return None
+
+    return check
 
 
 def make_worker(redis_url: str, *, burst: bool = False) -> Worker:

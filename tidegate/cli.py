@@ -258,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("batch-worker", help="run batches (an arq worker; needs a real Redis)")
     p.add_argument("--redis-url", help="default: env TIDEGATE_REDIS_URL or REDIS_URL")
+    p.add_argument("--status-port", type=int, default=9401,
+                   help="/healthz and /readyz on TIDEGATE_HOST (default 9401; 0: off)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
     p.set_defaults(func=cmd_batch_worker)
     return parser
@@ -407,11 +409,21 @@ def _progress(state, end: str = "\n") -> None:  # noqa: ANN001
 
 
 def cmd_batch_worker(args: argparse.Namespace) -> int:
-    from producer.batch_worker import make_worker
+    from producer.batch_worker import make_worker, redis_check
+    from tidegate.status_server import StatusServer
 
     settings = _settings(args)
-    worker = make_worker(settings.redis_url)
-    worker.run()
+    status = None
+    if args.status_port:  # /healthz, /readyz (Redis answers) for probes
+        status = StatusServer(settings.host, args.status_port,
+                              check=redis_check(settings.redis_url))
+        if not status.start():
+            status = None
+    try:
+        make_worker(settings.redis_url).run()
+    finally:
+        if status is not None:
+            status.stop()
     return 0
 
 

@@ -39,13 +39,13 @@ from tidegate.jobstore import cancel_requested, claim_for_run
 from tidegate.protocol import Job, SamplingParams, now_ms
 from tidegate.redis_conn import connect
 from tidegate.settings import Settings
+from tidegate.status_server import StatusServer
 from worker.cpu_tuning import keep_large_allocations
 from worker.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from worker.intake import Delivery, StreamIntake
 from worker.load_shedder import Estimate, Load, LoadShedder, ShedderConfig
 from worker.metrics import WorkerMetrics
 from worker.publisher import ActiveJob, EventPublisher, StepBatch
-from worker.status_server import StatusServer
 
 log = logging.getLogger("tidegate.worker")
 

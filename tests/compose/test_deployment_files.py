@@ -120,7 +120,10 @@ def parse(args: list[str]) -> object:
 def test_commands_parse_with_the_cli_and_ports_agree() -> None:
     services = compose()["services"]
     seen = set()
-    assert parse(services["batch-worker"]["command"]).command == "batch-worker"
+    batch = parse(services["batch-worker"]["command"])
+    assert batch.command == "batch-worker"  # type: ignore[attr-defined]
+    assert f"127.0.0.1:{batch.status_port}/readyz" in " ".join(  # type: ignore[attr-defined]
+        services["batch-worker"]["healthcheck"]["test"])
     for name in ("api", "gateway", "worker"):
         args = services[name]["command"]
         assert parse(args).command == name

@@ -12,10 +12,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, free_port
 from tests.stack_process import TIDEGATE
 from tidegate import keys
 
@@ -53,7 +54,7 @@ def stack(redis_server: RedisServer) -> Iterator[tuple[str, list[subprocess.Pope
     url = redis_server.url
     procs = [start("worker", "--model", "random:tiny", "--max-num-seqs", "64",
                    "--max-num-batched-tokens", "512", url=url),
-             start("batch-worker", url=url)]
+             start("batch-worker", "--status-port", "0", url=url)]
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + 120
     try:
@@ -98,7 +99,7 @@ def test_ten_thousand_lines_survive_a_batch_worker_restart(
         assert time.monotonic() < deadline
         time.sleep(0.05)
     stop(procs[1])  # SIGTERM: arq cancels the running step, which the next worker reruns
-    procs.append(start("batch-worker", url=url))
+    procs.append(start("batch-worker", "--status-port", "0", url=url))
     state = wait_done(batch_id, url)
     invalid = len(range(0, n, bad_every))
     assert state["status"] == "completed" and state["total"] == state["done"] == n
@@ -154,3 +155,29 @@ def test_bad_input_exits_with_a_message(redis_server: RedisServer, tmp_path: Pat
     assert out.returncode == 2 and "batch id" in out.stderr
     out = cli("batch", "status", "batch_" + "0" * 32, url=url)
     assert out.returncode == 1 and "not found" in out.stderr
+
+
+def test_batch_worker_health_follows_redis(redis_server: RedisServer) -> None:
+    port = free_port()
+    proc = start("batch-worker", "--status-port", str(port), url=redis_server.url)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{base}/readyz", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
+        redis_server.stop()
+        try:
+            r = httpx.get(f"{base}/readyz", timeout=10)
+            assert r.status_code == 503 and r.json()["reason"] == "Redis is unreachable"
+        finally:
+            redis_server.start()
+    finally:
+        stop(proc)
+

@@ -16,11 +16,11 @@ from tests.conftest import RedisServer
 from tests.worker.test_service import collect, submit, tiny  # noqa: F401 - fixture
 from tidegate import keys
 from tidegate.jobstore import JOB_FIELD, read_result
+from tidegate.status_server import StatusServer
 from worker.engine import Engine, EngineConfig
 from worker.loader import LoadedModel
 from worker.metrics import OUTCOMES, WorkerMetrics
 from worker.service import WorkerService
-from worker.status_server import StatusServer
 
 
 @pytest.fixture

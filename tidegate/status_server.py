@@ -1,9 +1,9 @@
-"""The worker's own HTTP port: ``/metrics`` (Prometheus), ``/healthz`` and ``/readyz``.
+"""A role's own HTTP port, for roles that serve no HTTP: ``/metrics``, ``/healthz``, ``/readyz``.
 
-A worker serves no API, so probes and scrapes get a small threaded WSGI server beside the asyncio
-loop: it answers while the model loads and while a step runs, and the worker's loop only ever
-sets flags on it. Liveness is "the process answers"; readiness is "the model is loaded, Redis
-answered the last time the worker used it, and the worker is not draining".
+The GPU worker and the batch worker get a small threaded WSGI server beside their event loop: it
+answers while a model loads and while a step runs, and the role only ever sets flags on it (or
+gives it a readiness check to run). Liveness is "the process answers"; readiness is "the model
+is loaded (where there is one), Redis answered, and the role is not draining".
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-log = logging.getLogger("tidegate.worker")
+log = logging.getLogger("tidegate.status")
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
@@ -29,16 +30,23 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class StatusServer:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, *,
+                 check: Callable[[], str | None] | None = None) -> None:
+        """``check`` (run per /readyz, in the server's thread) returns why the role is not
+        ready, or None; without it the flags below decide."""
         self.host, self.port = host, port
         self.registry: CollectorRegistry | None = None
         self.model_loaded = False
         self.redis_ok = False
         self.draining = False
+        self.check = check
         self._server: WSGIServer | None = None
 
     @property
     def ready(self) -> tuple[bool, str]:
+        if self.check is not None:
+            reason = self.check()
+            return (True, "ready") if reason is None else (False, reason)
         if not self.model_loaded:
             return False, "loading the model"
         if self.draining:
