@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from tidegate import keys
+from tidegate.jobstore import request_cancel
 from tidegate.protocol import JobRequest, now_ms
 
 BATCH_TIMEOUT_S = 24 * 3600  # each line's deadline: a batch may wait behind interactive work
@@ -176,8 +177,6 @@ async def cancel(redis: aioredis.Redis, batch_id: str) -> BatchStatus | None:
     if state is None or state.status in ("completed", "cancelled"):
         return state
     await redis.hset(keys.batch_hash(batch_id), "status", "cancelling")
-    from tidegate.jobstore import request_cancel
-
     enqueued = await redis.hkeys(keys.batch_enqueued(batch_id))
     for index in enqueued:
         await request_cancel(redis, line_job_id(batch_id, int(index)))

@@ -286,9 +286,7 @@ def cmd_queue_stats(args: argparse.Namespace) -> int:
     try:
         stats = asyncio.run(snapshot())
     except (RedisError, OSError) as exc:
-        where = urllib.parse.urlsplit(settings.redis_url)
-        raise CliError(f"cannot read the queue from Redis at {where.hostname}:{where.port or 6379}"
-                       f" ({type(exc).__name__}: {exc})", EXIT_FAILED) from None
+        raise _redis_failure(settings, exc, "cannot read the queue from Redis") from None
     if args.json:
         print(json.dumps(stats, indent=1))
         return 0
@@ -320,9 +318,10 @@ def _batch_redis(args: argparse.Namespace):  # -> (Settings, redis)
     return settings, connect(settings.redis_url)
 
 
-def _redis_failure(settings, exc: Exception) -> CliError:  # noqa: ANN001
+def _redis_failure(settings, exc: Exception, what: str = "cannot reach Redis") -> CliError:  # noqa: ANN001
+    """Exit 1 naming the host and port only: the URL may hold a password."""
     where = urllib.parse.urlsplit(settings.redis_url)
-    return CliError(f"cannot reach Redis at {where.hostname}:{where.port or 6379} "
+    return CliError(f"{what} at {where.hostname}:{where.port or 6379} "
                     f"({type(exc).__name__}: {exc})", EXIT_FAILED)
 
 

@@ -227,9 +227,8 @@ class Engine:
             self._inflight = None
             sampled = result()
             # A request finished after this step was launched (a stop string, an abort) has
-            # freed its blocks: its chunk is not committed and its token is dropped.
-            live = [c for c in sched.chunks if c.seq.status is not SeqStatus.FINISHED]
-            self.scheduler.commit(SchedulerOutput(live, num_batched_tokens=0))
+            # freed its blocks: commit skips its chunk, and its token is dropped below.
+            self.scheduler.commit(sched)
             self._count(sched)
             sampling = [c.seq for c in sched.chunks if c.samples]
             for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs,

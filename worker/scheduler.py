@@ -119,10 +119,15 @@ class Scheduler:
         return out
 
     def commit(self, out: SchedulerOutput) -> None:
-        """Record that the runner computed the scheduled chunks (before new tokens append)."""
+        """Record that the runner computed the scheduled chunks (before new tokens append).
+
+        A request that finished after its step was scheduled (possible when the engine builds
+        outputs while the next step runs) has freed its blocks: its chunk is skipped."""
         bs = self.blocks.block_size
         for chunk in out.chunks:
             seq = chunk.seq
+            if seq.status is SeqStatus.FINISHED:
+                continue
             seq.num_computed = chunk.start + chunk.num_tokens
             if seq.num_computed // bs > chunk.start // bs:  # a block became full: register it
                 self.blocks.commit(seq.request_id, seq.all_ids(), seq.num_computed)
