@@ -408,6 +408,8 @@ def _progress(state, end: str = "\n") -> None:  # noqa: ANN001
 
 
 def cmd_batch_worker(args: argparse.Namespace) -> int:
+    from redis.exceptions import RedisError
+
     from producer.batch_worker import make_worker, redis_check
     from tidegate.status_server import StatusServer
 
@@ -419,11 +421,19 @@ def cmd_batch_worker(args: argparse.Namespace) -> int:
         if not status.start():
             status = None
     try:
-        make_worker(settings.redis_url).run()
+        while True:
+            try:
+                make_worker(settings.redis_url).run()  # returns on SIGTERM / SIGINT
+                return 0
+            except (RedisError, OSError) as exc:
+                # arq's worker ends when its Redis connection breaks (a Redis restart): start a
+                # new one; unfinished steps are rerun from the queue.
+                logging.getLogger("tidegate.batch").warning(
+                    "batch worker lost Redis (%s); starting again in 1 s", type(exc).__name__)
+                time.sleep(1.0)
     finally:
         if status is not None:
             status.stop()
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -176,8 +176,14 @@ def test_batch_worker_health_follows_redis(redis_server: RedisServer) -> None:
         try:
             r = httpx.get(f"{base}/readyz", timeout=10)
             assert r.status_code == 503 and r.json()["reason"] == "Redis is unreachable"
+            time.sleep(2)  # long enough for arq's worker to notice and be started again
         finally:
             redis_server.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{base}/readyz", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert proc.poll() is None  # it outlived the outage
     finally:
         stop(proc)
 
