@@ -22,6 +22,11 @@ from worker.sampler import Sampler, SamplerOutput
 from worker.scheduler import SchedulerOutput
 
 
+def slot_of(table: list[int], position: int, block_size: int) -> int:
+    """The cache slot of a sequence's token: its block (through the table), then the offset."""
+    return table[position // block_size] * block_size + position % block_size
+
+
 class PagedAttention:
     """The model's attention backend for one step over the paged cache."""
 
@@ -86,7 +91,7 @@ class ModelRunner:
             bs = self.block_size
             hidden = self.graphs.run(
                 [c.seq.token_at(c.start) for c in sched.chunks], positions,
-                [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)],
+                [slot_of(t, p, bs) for t, p in zip(block_tables, positions, strict=True)],
                 block_tables)
             return self.sampler.launch(self.model.compute_logits(hidden), rows)
         inp = self.prepare(sched, block_tables)
@@ -118,7 +123,7 @@ class ModelRunner:
                 ids += chunk.seq.all_ids()[chunk.start : end]
             span = range(chunk.start, end)
             positions += span
-            slots += [table[p // bs] * bs + p % bs for p in span]
+            slots += [slot_of(table, p, bs) for p in span]
             if chunk.samples:
                 sample_rows.append(len(ids) - 1)
             seq_lens.append(end)

@@ -64,3 +64,17 @@ def serve_stack(redis_server: RedisServer, admission: Admission,
     full = Settings(redis_url=redis_server.url, model=MODEL, **settings)  # type: ignore[arg-type]
     with serve(stack_app(full, admission)) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def stack_server(redis_server: RedisServer, admission: Admission) -> Iterator[str]:
+    """API + gateway on one port (as ``tidegate up`` serves them), one per test module."""
+    with serve_stack(redis_server, admission) as url:
+        yield url
+
+
+@pytest.fixture
+def stack(stack_server: str, redis_url: str) -> str:
+    """Base URL of API + gateway, over a freshly flushed Redis."""
+    return stack_server
+

@@ -6,17 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
 
 from producer import Client, SyncClient
-from producer.admission import Admission
 from producer.errors import Conflict, JobNotFound
-from tests.conftest import RedisServer
-from tests.producer.conftest import serve_stack
 from tidegate import keys
 from tidegate.jobstore import set_status
 
@@ -26,12 +23,6 @@ RESULT = {"text": "Hi", "finish_reason": "stop",
           "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
           "timings": {"queue_ms": 1.0, "ttft_ms": 2.0, "total_ms": 3.0,
                       "decode_tokens_per_s": 4.0}}
-
-
-@pytest.fixture(scope="module")
-def stack_server(redis_server: RedisServer, admission: Admission) -> Iterator[str]:
-    with serve_stack(redis_server, admission) as url:
-        yield url
 
 
 @pytest.fixture

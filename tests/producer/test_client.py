@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -16,11 +16,9 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
 from producer import Client, SyncClient
-from producer.admission import Admission
 from producer.errors import InvalidRequest, JobNotFound, ServiceUnavailable
 from tests.asgi_server import serve
-from tests.conftest import RedisServer, free_port
-from tests.producer.conftest import serve_stack
+from tests.conftest import free_port
 from tidegate import keys
 from tidegate.jobstore import JOB_FIELD, add_event, set_status
 from tidegate.protocol import (
@@ -34,18 +32,6 @@ from tidegate.protocol import (
 )
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture(scope="module")
-def stack_server(redis_server: RedisServer, admission: Admission) -> Iterator[str]:
-    with serve_stack(redis_server, admission) as url:
-        yield url
-
-
-@pytest.fixture
-def stack(stack_server: str, redis_url: str) -> str:
-    """Base URL of API + gateway, over a freshly flushed Redis."""
-    return stack_server
 
 
 class FakeWorker:

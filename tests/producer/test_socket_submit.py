@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -24,17 +23,6 @@ from tidegate.protocol import Job
 pytestmark = pytest.mark.timeout(30)
 KEY = "sk-socket-test-key-1"
 MSG = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def stack_server(redis_server: RedisServer, admission: Admission) -> Iterator[str]:
-    with serve_stack(redis_server, admission) as url:
-        yield url
-
-
-@pytest.fixture
-def stack(stack_server: str, redis_url: str) -> str:
-    return stack_server
 
 
 async def frames_until_close(ws) -> tuple[list[dict], int | None]:  # noqa: ANN001
