@@ -38,6 +38,7 @@ case "$what" in
   tests)
     timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default \
       tests/gpu tests/kernels/test_triton_elementwise.py tests/kernels/test_triton_attention.py \
+      tests/kernels/test_triton_linear.py \
       --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -40
     ;;
   engine-tests)

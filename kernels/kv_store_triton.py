@@ -64,19 +64,9 @@ def _check_cache(name: str, cache: torch.Tensor, heads: int, head_dim: int,
         raise ValueError(f"{name} must be contiguous, got strides {cache.stride()}")
 
 
-def store_kv_triton(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write key/value [T, Hk, D] (any token/head strides) into the caches
-    [num_blocks, block_size, Hk, D] at slot_mapping [T] int64, cast to the cache dtype.
-
-    Slots < 0 are skipped. Slots are not range-checked (that would sync with the device):
-    each must be below num_blocks * block_size.
-    """
+def check_store_args(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Raise ValueError naming the first argument of a KV store that is off."""
     _check_tokens("key", key, key.device)
     tokens, heads, head_dim = key.shape
     _check_tokens("value", value, key.device)
@@ -94,6 +84,23 @@ def store_kv_triton(
         raise ValueError(f"slot_mapping must be int64 or int32, got {slot_mapping.dtype}")
     if slot_mapping.device != key.device:
         raise ValueError(f"slot_mapping must be on {key.device}, got {slot_mapping.device}")
+
+
+def store_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [T, Hk, D] (any token/head strides) into the caches
+    [num_blocks, block_size, Hk, D] at slot_mapping [T] int64, cast to the cache dtype.
+
+    Slots < 0 are skipped. Slots are not range-checked (that would sync with the device):
+    each must be below num_blocks * block_size.
+    """
+    check_store_args(key, value, key_cache, value_cache, slot_mapping)
+    tokens, heads, head_dim = key.shape
     if tokens == 0 or heads == 0 or head_dim == 0:
         return
     block_h = triton.next_power_of_2(heads)

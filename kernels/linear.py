@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.activation import silu_and_mul_ref
 from kernels.native_cpu import native_kernels
+from kernels.rmsnorm import rms_norm_ref
 
 # The native kernel won at 1-32 rows on every projection shape of the default model and was
 # level with BLAS at 64.
@@ -26,15 +28,31 @@ NATIVE_ROWS = 48
 SKINNY_ROWS = 64
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """x @ weight.T (+ add, the residual stream's add)."""
+    out = F.linear(x, weight)
+    return out if add is None else out + add
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K], weight [N, K] -> [M, N] (contiguous)."""
+def norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, silu: bool = False) -> torch.Tensor:
+    """RMSNorm, then the projection, then (``silu``: weight holds gate then up rows) SwiGLU:
+    what ``kernels.linear_triton`` fuses into one weight stream."""
+    out = linear_ref(rms_norm_ref(x, norm_weight, eps)[0], weight)
+    return silu_and_mul_ref(out) if silu else out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x [M, K], weight [N, K] -> [M, N] (contiguous), plus ``add`` [M, N] if given."""
     if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= SKINNY_ROWS:
         if (x.shape[0] <= NATIVE_ROWS and x.dtype == torch.float32
                 and weight.dtype == torch.float32 and (native := native_kernels()) is not None):
-            return native.skinny_linear(x, weight)
-        return torch.mm(weight, x.t()).t().contiguous()
+            out = native.skinny_linear(x, weight)
+        else:
+            out = torch.mm(weight, x.t()).t().contiguous()
+        return out if add is None else out.add_(add)
+    if add is not None:  # one GEMM with the add in its epilogue
+        return torch.addmm(add, x, weight.t())
     return F.linear(x, weight)

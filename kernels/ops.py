@@ -12,14 +12,47 @@ import torch
 
 from kernels.activation import silu_and_mul_ref
 from kernels.dispatch import use_triton
-from kernels.linear import linear
+from kernels.linear import linear as linear_impl
 from kernels.paged_attention import PagedAttentionMetadata, paged_decode_attention, store_kv_ref
 from kernels.paged_attention import paged_attention as paged_attention_cpu
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import rotary_ref
 
-__all__ = ["linear", "paged_attention", "paged_decode", "rms_norm", "rotary", "silu_and_mul",
-           "store_kv"]
+__all__ = ["fuses_projections", "linear", "norm_linear", "paged_attention", "paged_decode",
+           "rms_norm", "rotary", "rotary_store_kv", "silu_and_mul", "store_kv"]
+
+
+def fuses_projections(x: torch.Tensor) -> bool:
+    """Whether projections of ``x`` [T, H] run on the fused few-row kernel (decode steps of
+    few sequences on a GPU): models then fold their norms and residual adds into
+    ``norm_linear`` and ``linear(add=...)`` rather than calling ``rms_norm`` themselves."""
+    if not use_triton(x) or x.dim() != 2:
+        return False
+    from kernels.linear_triton import SERVE_ROWS
+
+    return 0 < x.shape[0] <= SERVE_ROWS
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ add [M, N], the residual stream's add) -> [M, N]."""
+    if fuses_projections(x):
+        from kernels.linear_triton import skinny_linear_triton
+
+        return skinny_linear_triton(x, weight, add=add)
+    return linear_impl(x, weight, add)
+
+
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                silu: bool = False) -> torch.Tensor:
+    """rms_norm(x) @ weight.T, then silu(gate) * up if ``silu`` (weight: gate rows, then up
+    rows); one weight stream with the norm and SiLU fused where the few-row kernel serves."""
+    if fuses_projections(x):
+        from kernels.linear_triton import skinny_linear_triton
+
+        return skinny_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)
+    out = linear(rms_norm(x, norm_weight, eps)[0], weight)
+    return silu_and_mul(out) if silu else out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -41,6 +74,21 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: tor
 
         return rotary_triton(q, k, positions, cache)
     return rotary_ref(q, k, positions, cache)
+
+
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cache: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary`` then ``store_kv`` of the rotated keys and the values: one launch on Triton.
+    Returns the rotated (q, k)."""
+    if use_triton(q):
+        from kernels.rotary_triton import rotary_store_kv_triton
+
+        return rotary_store_kv_triton(q, k, v, positions, cache, key_cache, value_cache,
+                                      slot_mapping)
+    q, k = rotary_ref(q, k, positions, cache)
+    store_kv_ref(k, v, key_cache, value_cache, slot_mapping)
+    return q, k
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -44,10 +44,11 @@ class GraphDecodeAttention:
         self.scale = scale
         self.num_splits = num_splits
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-               ) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
         key_cache, value_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
-        ops.store_kv(k, v, key_cache, value_cache, self.slot_mapping)
+        q, k = ops.rotary_store_kv(q, k, v, positions, rope_cache, key_cache, value_cache,
+                                   self.slot_mapping)
         return ops.paged_decode(q, key_cache, value_cache, self.block_tables, self.seq_lens,
                                 self.scale, self.num_splits)
 

@@ -36,10 +36,12 @@ class PagedAttention:
         self.scale = scale
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        positions: torch.Tensor, rope_cache: torch.Tensor,
     ) -> torch.Tensor:
         key_cache, value_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
-        ops.store_kv(k, v, key_cache, value_cache, self.meta.slot_mapping)
+        q, k = ops.rotary_store_kv(q, k, v, positions, rope_cache, key_cache, value_cache,
+                                   self.meta.slot_mapping)
         return ops.paged_attention(q, key_cache, value_cache, self.meta, self.scale)
 
 

@@ -41,9 +41,10 @@ def default_model(device: str, dtype: torch.dtype) -> LoadedModel:
     return load_model("smollm2", device=device, dtype=dtype)
 
 
-def greedy(loaded: LoadedModel, *, cuda_graphs: bool = True) -> list[list[int]]:
+def greedy(loaded: LoadedModel, *, cuda_graphs: bool = True, max_num_seqs: int = 16
+           ) -> list[list[int]]:
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
-        max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=1024, kv_cache_gb=1.0,
+        max_model_len=2048, max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, kv_cache_gb=1.0,
         cuda_graphs=cuda_graphs))
     for i, text in enumerate(PROMPTS):
         ids = loaded.tokenizer.encode_prompt(None, [{"role": "user", "content": text}])
@@ -62,14 +63,19 @@ def agreement(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
-def test_bf16_gpu_greedy_output_agrees_with_cpu_float32() -> None:
+@pytest.mark.parametrize("max_num_seqs", [16, 1])
+def test_bf16_gpu_greedy_output_agrees_with_cpu_float32(max_num_seqs: int) -> None:
+    """16: the prompts decode together (cuBLAS projections); 1: one at a time, so every decode
+    step is one row and takes the fused few-row projections."""
     cpu = greedy(default_model("cpu", torch.float32))
-    gpu = greedy(default_model("cuda", torch.bfloat16))
+    gpu = greedy(default_model("cuda", torch.bfloat16), max_num_seqs=max_num_seqs)
     report = [{"prompt": p, "agree_tokens": agreement(c, g), "of": NEW_TOKENS}
               for p, c, g in zip(PROMPTS, cpu, gpu, strict=True)]
     out = os.environ.get("TIDEGATE_GPU_REPORT")
     if out:
-        Path(out).write_text(json.dumps(report, indent=1))
+        path = Path(out)
+        path.with_stem(f"{path.stem}-batch{max_num_seqs}").write_text(
+            json.dumps(report, indent=1))
     for row in report:
         print(f"{row['agree_tokens']:3d}/{NEW_TOKENS}  {row['prompt']}")
     # bf16 rounding moves logits by ~1e-2, so a near-tie can flip a greedy pick and the texts

@@ -23,7 +23,7 @@ from kernels.paged_attention import store_kv_ref
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rmsnorm_triton import rms_norm_triton
 from kernels.rotary import cos_sin_cache, rotary_ref
-from kernels.rotary_triton import rotary_triton
+from kernels.rotary_triton import rotary_store_kv_triton, rotary_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16]
@@ -142,6 +142,39 @@ def test_rotary_padded_head_stride(dtype: torch.dtype) -> None:
     torch.testing.assert_close(q, want_q, **tolerances(dtype))
     torch.testing.assert_close(k, want_k, **tolerances(dtype))
     assert torch.equal(q_store[..., d:], q_pad) and torch.equal(k_store[..., d:], k_pad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "hq", "hk", "d"), [(1, 4, 2, 64), (9, 6, 2, 80)])
+def test_rotary_with_kv_store_is_rotary_then_store(tokens: int, hq: int, hk: int, d: int,
+                                                   dtype: torch.dtype) -> None:
+    """One launch: q and k rotated in place as ``rotary_triton`` does, and the rotated k with v
+    written to the cache slots as ``store_kv_triton`` does (padding slots skipped)."""
+    num_blocks, block_size = 4, 4
+    fused, q, k, v = fused_qkv(tokens, hq, hk, d, dtype, pad=8)
+    positions = torch.randint(0, MAX_POS, (tokens,), device=DEVICE)
+    cache = cos_sin_cache(d, MAX_POS, 10000.0, None).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    if tokens > 1:
+        slots[1] = -1
+    shape = (num_blocks, block_size, hk, d)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    value_cache = key_cache.clone()
+    want_fused = fused.clone()
+    want_key, want_value = key_cache.clone(), value_cache.clone()
+    wq, wk, wv = (want_fused[:, a:b].view(tokens, h, d) for a, b, h in (
+        (0, hq * d, hq), (hq * d, (hq + hk) * d, hk), ((hq + hk) * d, (hq + 2 * hk) * d, hk)))
+    rotary_triton(wq, wk, positions, cache)
+    store_kv_triton(wk, wv, want_key, want_value, slots)
+
+    out_q, out_k = rotary_store_kv_triton(q, k, v, positions, cache, key_cache, value_cache,
+                                          slots)
+
+    assert out_q is q and out_k is k
+    assert torch.equal(fused, want_fused)  # same rotation, in place; v and padding untouched
+    torch.testing.assert_close(key_cache, want_key, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(value_cache, want_value, rtol=0, atol=0, equal_nan=True)
+    assert not key_cache.view(-1, hk * d)[slots[slots >= 0]].isnan().any()
 
 
 # --- SiLU-and-mul -----------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """The engine with every kernel on its Triton path (the interpreter on a CPU, the GPU where
 there is one) produces the plain-torch engine's greedy tokens: chunked prefill, decode, and
-prefix-cache hits all go through the Triton kernels behind ``kernels.ops``."""
+prefix-cache hits all go through the Triton kernels behind ``kernels.ops``, and so do the one-row
+decode steps' fused projections (norm, SiLU and residual add in the weight stream)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import kernels.linear_triton as linear_triton
 import kernels.paged_attention_triton as attention_triton
 import kernels.rmsnorm_triton as rmsnorm_triton
 from tidegate.protocol import SamplingParams
@@ -38,9 +40,10 @@ def greedy_tokens(mode: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, list[
 
 def test_triton_kernels_give_the_reference_engines_tokens(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = {"attention": 0, "rms_norm": 0}
+    calls = {"attention": 0, "rms_norm": 0, "skinny_linear": 0}
     for module, name, key in ((attention_triton, "paged_attention_triton", "attention"),
-                              (rmsnorm_triton, "rms_norm_triton", "rms_norm")):
+                              (rmsnorm_triton, "rms_norm_triton", "rms_norm"),
+                              (linear_triton, "skinny_linear_triton", "skinny_linear")):
         real = getattr(module, name)
 
         def counted(*args: object, _real=real, _key=key, **kwargs: object) -> object:
@@ -49,7 +52,8 @@ def test_triton_kernels_give_the_reference_engines_tokens(
 
         monkeypatch.setattr(module, name, counted)
     reference = greedy_tokens("reference", monkeypatch)
-    assert calls == {"attention": 0, "rms_norm": 0}
+    assert calls == {"attention": 0, "rms_norm": 0, "skinny_linear": 0}
     assert greedy_tokens("triton", monkeypatch) == reference
-    assert calls["attention"] > 0 and calls["rms_norm"] > 0
+    # The last request decodes alone: its one-row projections take the fused GEMV kernel.
+    assert all(n > 0 for n in calls.values()), calls
     assert all(len(t) == 10 for t in reference.values())

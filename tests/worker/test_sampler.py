@@ -15,6 +15,7 @@ from worker.sampler import (
     apply_min_p,
     apply_penalties,
     top_k_top_p_cutoff,
+    two_stage_argmax,
 )
 
 
@@ -65,6 +66,23 @@ def test_greedy_and_top_k_one_are_argmax() -> None:
     logits = torch.randn(6, 50)
     assert sample(logits, rows(6)) == logits.argmax(-1).tolist()
     assert sample(logits, rows(6, temperature=1.0, top_k=1)) == logits.argmax(-1).tolist()
+
+
+def test_two_stage_argmax_is_argmax_with_its_first_index_on_ties() -> None:
+    """The GPU's few-row argmax (group maxima, then the first group holding the maximum) must
+    pick what argmax picks, ties included: the maximum repeated within a group, across groups,
+    in the first and last columns."""
+    x = torch.randn(6, 64 * 5)
+    x[1, [7, 9, 200]] = 10.0  # within one group and in a later one
+    x[2, [0, 319]] = 10.0  # first and last columns
+    x[3] = 1.0  # all equal
+    x[4, 64 * 3 : 64 * 4] = 10.0  # a whole later group
+    x[5, [65, 64]] = 10.0  # tied neighbours in group 1
+    assert two_stage_argmax(x, 5).tolist() == x.argmax(dim=-1).tolist() == [
+        x[0].argmax().item(), 7, 0, 0, 192, 64]
+    for groups in (1, 2, 4, 8, 16, 64):
+        y = torch.randint(0, 3, (8, 64 * 4)).float()  # many ties
+        assert two_stage_argmax(y, groups).tolist() == y.argmax(dim=-1).tolist()
 
 
 def test_top_p_keeps_only_the_nucleus() -> None:

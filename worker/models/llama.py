@@ -50,12 +50,15 @@ class LlamaConfig:
 
 
 class AttentionBackend(Protocol):
-    """Stores this step's k/v and attends; owns the cache layout and the batch structure."""
+    """Rotates q and k, stores this step's k/v and attends; owns the cache layout and the batch
+    structure (so it can fuse the rotary with its KV store)."""
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        positions: torch.Tensor, rope_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hk, D] (rotated) -> attention output [T, Hq, D]."""
+        """q [T, Hq, D], k/v [T, Hk, D] (not rotated yet; q and k may be rotated in place),
+        positions [T] -> attention output [T, Hq, D]."""
         ...
 
 
@@ -63,8 +66,10 @@ class CausalAttention:
     """One sequence, no cache: plain causal attention over the whole input (tests, scoring)."""
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        positions: torch.Tensor, rope_cache: torch.Tensor,
     ) -> torch.Tensor:
+        q, k = ops.rotary(q, k, positions, rope_cache)
         # 4-D inputs: with 3-D ones the CPU dispatcher takes the math path.
         out = F.scaled_dot_product_attention(
             q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
@@ -95,21 +100,40 @@ class DecoderLayer(nn.Module):
         rope_cache: torch.Tensor,
         attn: AttentionBackend,
         layer: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden, residual) -> (hidden, residual); the residual stream is their sum.
+
+        Few rows on a GPU (``ops.fuses_projections``): every projection is a weight stream, so
+        each norm goes into the projection after it and each residual add into the one before
+        it; ``hidden`` then is the whole stream and ``residual`` stays None. Otherwise the
+        residual add goes into the RMSNorm kernel and the projections are plain GEMMs."""
         cfg = self.cfg
-        x, residual = ops.rms_norm(hidden, self.input_norm, cfg.rms_norm_eps, residual)
-        qkv = ops.linear(x, self.qkv_proj.weight)
+        eps = cfg.rms_norm_eps
+        if residual is None and ops.fuses_projections(hidden):
+            qkv = ops.norm_linear(hidden, self.input_norm, eps, self.qkv_proj.weight)
+            out = self._attention(qkv, positions, rope_cache, attn, layer)
+            hidden = ops.linear(out, self.o_proj.weight, add=hidden)
+            act = ops.norm_linear(hidden, self.post_attn_norm, eps, self.gate_up_proj.weight,
+                                  silu=True)
+            return ops.linear(act, self.down_proj.weight, add=hidden), None
+        x, residual = ops.rms_norm(hidden, self.input_norm, eps, residual)
+        out = self._attention(ops.linear(x, self.qkv_proj.weight), positions, rope_cache, attn,
+                              layer)
+        hidden = ops.linear(out, self.o_proj.weight)
+        x, residual = ops.rms_norm(hidden, self.post_attn_norm, eps, residual)
+        gate_up = ops.linear(x, self.gate_up_proj.weight)
+        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight), residual
+
+    def _attention(self, qkv: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
+                   attn: AttentionBackend, layer: int) -> torch.Tensor:
+        """Fused q/k/v [T, (Hq + 2 Hk) D] -> attention output [T, Hq D]."""
+        cfg = self.cfg
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = x.shape[0]
+        t = qkv.shape[0]
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        q, k = ops.rotary(q, k, positions, rope_cache)
-        out = attn.attend(layer, q, k, v)  # [T, Hq, D]
-        hidden = ops.linear(out.reshape(t, self.q_size), self.o_proj.weight)
-        x, residual = ops.rms_norm(hidden, self.post_attn_norm, cfg.rms_norm_eps, residual)
-        gate_up = ops.linear(x, self.gate_up_proj.weight)
-        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight), residual
+        return attn.attend(layer, q, k, v, positions, rope_cache).reshape(t, self.q_size)
 
 
 class LlamaModel(nn.Module):
@@ -139,8 +163,7 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, positions, self.rope_cache, attn, i)
-        hidden, _ = ops.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)
-        return hidden
+        return ops.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
