@@ -15,6 +15,7 @@ context the engine allows, since the graph cannot depend on this step's lengths.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +106,9 @@ class CudaGraphDecoder:
                 pool = graph.pool()
                 self._graphs[b] = _Captured(graph, hidden)
         torch.cuda.synchronize(device)
+        # Marks the end of the last run's copies out of the pinned staging buffers.
+        self._staged = torch.cuda.Event()
+        self._staged.record(torch.cuda.current_stream(device))
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids, "positions": self.positions,
@@ -116,14 +120,20 @@ class CudaGraphDecoder:
         return next((b for b in self.sizes if b >= batch), None)
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
+            block_tables: list[list[int]],
+            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """One decode token per sequence -> final hidden states [B, hidden] (a view of a static
-        buffer, valid until the next run)."""
+        buffer, valid until the next run). ``fill``, if given, writes into the step's input ids
+        on the device (tokens the host does not know yet) before the replay."""
         n = len(input_ids)
         b = self.padded_size(n)
         if b is None or n == 0:
             raise ValueError(f"batch of {n} is outside the captured sizes 1..{self.max_batch}")
         host = self._host
+        # The previous run may still be queued behind an earlier step (async scheduling
+        # launches a step before reading the last): its copies must leave the staging
+        # buffers before they are overwritten. Almost always done already.
+        self._staged.synchronize()
         host["input_ids"][:n] = torch.tensor(input_ids)
         host["positions"][:n] = torch.tensor(positions)
         host["slot_mapping"][:n] = torch.tensor(slots)
@@ -143,6 +153,9 @@ class CudaGraphDecoder:
         tables[n:b] = 0
         for name, buf in self._buffers().items():
             buf[:b].copy_(host[name][:b], non_blocking=True)
+        self._staged.record(torch.cuda.current_stream(self.input_ids.device))
+        if fill is not None:
+            fill(self.input_ids[:n])
         captured = self._graphs[b]
         captured.graph.replay()
         return captured.hidden[:n]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +22,7 @@ from worker.detokenizer import IncrementalDetokenizer
 from worker.kv_cache import KVCacheSpec, plan_kv_cache
 from worker.model_runner import ModelRunner
 from worker.models.llama import LlamaModel
-from worker.sampler import SamplerOutput, TokenLogprobs
+from worker.sampler import SamplerLaunch, TokenLogprobs, is_penalised
 from worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.sequence import SeqStatus, Sequence
 
@@ -54,8 +53,15 @@ class EngineConfig:
     # the extra token computed for that request is dropped. None: on for CUDA, off on the CPU
     # (where nothing runs asynchronously, so there is nothing to overlap).
     async_output: bool | None = None
+    # Needs async_output. Launch each step before reading the previous step's tokens: a decode
+    # takes its input token from the device, so the device never waits for the host to read
+    # tokens, commit and schedule. Steps that cannot (a penalised request needs its generated
+    # ids on the host) fall back to reading first. None: on exactly when async_output is.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.async_scheduling and self.async_output is False:
+            raise ValueError("async_scheduling needs async_output")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
         if self.block_size < 1:
@@ -94,6 +100,8 @@ class EngineStats:
     prompt_tokens_computed: int = 0  # prompt (and recomputed) tokens run through the model
     decode_tokens: int = 0
     preemptions: int = 0
+    # Steps launched before the previous step's tokens were read (async_scheduling).
+    scheduled_ahead: int = 0
 
 
 @dataclass(slots=True)
@@ -123,8 +131,12 @@ class Engine:
         self.stats = EngineStats()
         self.async_output = (config.async_output if config.async_output is not None
                              else param.device.type == "cuda")
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.async_output)
+        if self.async_scheduling and not self.async_output:
+            raise ValueError("async_scheduling needs async_output")
         # The launched step whose tokens have not been read back yet (async_output only).
-        self._inflight: tuple[SchedulerOutput, Callable[[], SamplerOutput]] | None = None
+        self._inflight: tuple[SchedulerOutput, SamplerLaunch] | None = None
         self._seqs: dict[str, Sequence] = {}
         self._aborted: dict[str, FinishReason] = {}
         self._arrivals = itertools.count()
@@ -141,6 +153,8 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
             seed=params.seed if params.seed is not None else secrets.randbits(63),
             arrival=next(self._arrivals),
+            max_num_tokens=min(len(request.prompt_ids) + params.max_tokens,
+                               self.config.max_model_len),
             lane=request.lane,
             priority=request.priority,
             deadline_ms=request.deadline_ms,
@@ -192,8 +206,10 @@ class Engine:
         return sum(s.num_uncomputed for s in seqs if s.num_uncomputed > 1)
 
     def tokens_left(self) -> dict[str, int]:
-        """Each request's remaining output budget (max_tokens minus what it generated)."""
-        return {rid: s.params.max_tokens - len(s.output_ids) for rid, s in self._seqs.items()}
+        """Each request's remaining output budget (max_tokens minus what it generated, tokens
+        still being sampled included)."""
+        return {rid: s.params.max_tokens - len(s.output_ids) - s.num_pending
+                for rid, s in self._seqs.items()}
 
     def step(self) -> list[RequestOutput]:
         aborted = sorted((self._seqs[r] for r in self._aborted if r in self._seqs),
@@ -218,42 +234,83 @@ class Engine:
         return outputs
 
     def _step_overlapped(self) -> list[RequestOutput]:
-        """Read back the launched step, launch the next, then build the first one's outputs
-        while the device computes the second."""
-        outputs: list[RequestOutput] = []
-        deferred: list[tuple[Sequence, _Sampled]] = []
-        if self._inflight is not None:
-            sched, result = self._inflight
-            self._inflight = None
-            sampled = result()
-            # A request finished after this step was launched (a stop string, an abort) has
-            # freed its blocks: commit skips its chunk, and its token is dropped below.
-            self.scheduler.commit(sched)
-            self._count(sched)
-            sampling = [c.seq for c in sched.chunks if c.samples]
-            for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs,
-                                      strict=True):
-                if seq.status is SeqStatus.FINISHED:
-                    continue
-                seq.output_ids.append(token)
-                if self._ends_on_token(seq, token):  # decided before the next step is built
-                    outputs.append(self._emit(seq, _Sampled(token, lp)))
-                else:
-                    deferred.append((seq, _Sampled(token, lp)))
-        sched = self.scheduler.schedule()
-        self.stats.preemptions += len(sched.preempted)
-        if sched.chunks:
-            tables = [self.blocks.block_table(c.seq.request_id) for c in sched.chunks]
-            with torch.inference_mode():
-                self._inflight = (sched, self.runner.launch(sched, tables))
+        """Read back the launched step and launch the next; build the first one's outputs
+        while the device computes the second.
+
+        Scheduling ahead, the next step is launched before the tokens are read: each request
+        the read step sampled counts its token as pending, a decode takes it on the device,
+        and a request its token ends has one extra token computed, dropped at the next read.
+        Otherwise the tokens are read first, and requests they end leave before scheduling."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            self._launch(None)
+            return []
+        sched, launched = inflight
+        # The step's inputs are all known by now (pending tokens are its new ones): commit
+        # registers no block holding a pending token.
+        self.scheduler.commit(sched)
+        self._count(sched)
+        if self.async_scheduling and self._can_schedule_ahead(sched):
+            self._launch(launched)
+            return [self._emit(seq, sampled) for seq, sampled in self._read(sched, launched)]
+        read = self._read(sched, launched)
+        ending = [(seq, s) for seq, s in read if self._ends_on_token(seq, s.token)]
+        outputs = [self._emit(seq, s) for seq, s in ending]  # they leave before scheduling
+        self._launch(None)
         # The device is busy with the next step; detokenize this one meanwhile.
-        outputs.extend(self._emit(seq, sampled) for seq, sampled in deferred)
+        outputs += [self._emit(seq, s) for seq, s in read if seq.status is not SeqStatus.FINISHED]
         return outputs
 
+    def _can_schedule_ahead(self, sched: SchedulerOutput) -> bool:
+        """Whether the next step can be launched with ``sched``'s tokens still unread.
+
+        A penalised request's sampling reads its generated ids, so a step it samples in needs
+        them on the host. Requests the tokens end by length are kept out of the next step by
+        the scheduler (``Sequence.is_complete``); those ending otherwise get an extra token,
+        dropped. A preempted request drops to waiting with its token pending, and is admitted
+        again only in a later step, once the token is read."""
+        return not any(is_penalised(c.seq.params) for c in sched.chunks
+                       if c.samples and c.seq.status is not SeqStatus.FINISHED)
+
+    def _launch(self, previous: SamplerLaunch | None) -> None:
+        """Schedule the next step and queue it; ``previous``: the step whose tokens are still
+        pending (scheduling ahead), which its decodes take their inputs from."""
+        sched = self.scheduler.schedule()
+        self.stats.preemptions += len(sched.preempted)
+        if not sched.chunks:
+            return
+        tables = [self.blocks.block_table(c.seq.request_id) for c in sched.chunks]
+        with torch.inference_mode():
+            self._inflight = (sched, self.runner.launch(sched, tables, previous))
+        for chunk in sched.chunks:
+            if chunk.samples:
+                chunk.seq.num_pending += 1
+        self.stats.scheduled_ahead += previous is not None
+
+    def _read(self, sched: SchedulerOutput, launched: SamplerLaunch
+              ) -> list[tuple[Sequence, _Sampled]]:
+        """Wait for the step's tokens and append each to its sequence, in place of its pending
+        token. A request finished after the step was launched (an abort, a stop string found
+        late, a token ending it read after the next step was launched) drops its token."""
+        sampled = launched()
+        read: list[tuple[Sequence, _Sampled]] = []
+        sampling = [c.seq for c in sched.chunks if c.samples]
+        for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            seq.num_pending -= 1
+            seq.output_ids.append(token)
+            read.append((seq, _Sampled(token, lp)))
+        return read
+
     def _count(self, sched: SchedulerOutput) -> None:
+        """Count a computed step, less the chunks of requests finished meanwhile (overlapped
+        steps only): their tokens are dropped, never generated."""
+        chunks = [c for c in sched.chunks if c.seq.status is not SeqStatus.FINISHED]
+        decodes = sum(1 for c in chunks if c.is_decode)
         self.stats.steps += 1
-        self.stats.decode_tokens += sched.num_decodes
-        self.stats.prompt_tokens_computed += sched.num_batched_tokens - sched.num_decodes
+        self.stats.decode_tokens += decodes
+        self.stats.prompt_tokens_computed += sum(c.num_tokens for c in chunks) - decodes
 
     # ------------------------------------------------------------------ per token
 
@@ -262,8 +319,12 @@ class Engine:
         params = seq.params
         return ((token in self.tokenizer.eos_token_ids and not params.ignore_eos)
                 or token in params.stop_token_ids
-                or len(seq.output_ids) >= params.max_tokens
-                or seq.num_tokens >= self.config.max_model_len)
+                or self._reached_length(seq))
+
+    def _reached_length(self, seq: Sequence) -> bool:
+        """max_tokens or the context reached, counting the tokens read (not those pending)."""
+        return (len(seq.output_ids) >= seq.params.max_tokens
+                or seq.num_known >= self.config.max_model_len)
 
     def _advance(self, seq: Sequence, sampled: _Sampled) -> RequestOutput:
         seq.output_ids.append(sampled.token)
@@ -278,7 +339,7 @@ class Engine:
         text = seq.detokenizer.push(token)
         if seq.detokenizer.stopped:
             return self._finish(seq, "stop", sampled, text)
-        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if self._reached_length(seq):
             return self._finish(seq, "length", sampled, text + seq.detokenizer.flush())
         return self._output(seq, sampled, text)
 

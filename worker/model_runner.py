@@ -18,8 +18,8 @@ from kernels.native_cpu import native_kernels
 from kernels.paged_attention import PagedAttentionMetadata
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker.models.llama import LlamaModel
-from worker.sampler import Sampler, SamplerOutput
-from worker.scheduler import SchedulerOutput
+from worker.sampler import Sampler, SamplerLaunch, SamplerOutput
+from worker.scheduler import ScheduledChunk, SchedulerOutput
 
 
 def slot_of(table: list[int], position: int, block_size: int) -> int:
@@ -83,24 +83,60 @@ class ModelRunner:
         """Compute every scheduled chunk; sample the next token of each sampling chunk."""
         return self.launch(sched, block_tables)()
 
-    def launch(self, sched: SchedulerOutput, block_tables: list[list[int]]
-               ) -> Callable[[], SamplerOutput]:
+    def launch(self, sched: SchedulerOutput, block_tables: list[list[int]],
+               previous: SamplerLaunch | None = None) -> SamplerLaunch:
         """``run`` without the final wait: the step is queued (asynchronously on a GPU) and the
-        returned function reads its sampled tokens back."""
+        returned launch reads its sampled tokens back.
+
+        ``previous``: the step launched before, its tokens not read back yet. A decode whose
+        input token it sampled (still pending in the sequence) takes that token on the device,
+        so this step is queued without waiting for the previous one."""
         rows = [c.seq for c in sched.chunks if c.samples]
+        fill = self._pending_inputs(sched, previous)
         if self.graphs is not None and self._graph_step(sched):
             positions = [c.start for c in sched.chunks]
             bs = self.block_size
             hidden = self.graphs.run(
-                [c.seq.token_at(c.start) for c in sched.chunks], positions,
+                [_first_input(c) for c in sched.chunks], positions,
                 [slot_of(t, p, bs) for t, p in zip(block_tables, positions, strict=True)],
-                block_tables)
+                block_tables, fill=fill)
             return self.sampler.launch(self.model.compute_logits(hidden), rows)
         inp = self.prepare(sched, block_tables)
+        if fill is not None:
+            fill(inp.input_ids)
         hidden = self.model(inp.input_ids, inp.positions,
                             PagedAttention(self.kv_cache, inp.meta, self.scale))
         logits = self.model.compute_logits(hidden[inp.sample_rows])
         return self.sampler.launch(logits, rows)
+
+    def _pending_inputs(self, sched: SchedulerOutput, previous: SamplerLaunch | None
+                        ) -> Callable[[torch.Tensor], None] | None:
+        """What writes the step's pending input tokens into its flat ``input_ids`` on the
+        device, from ``previous``'s sampled tokens; None when every input is known."""
+        at: list[int] = []  # flat input rows
+        source: list[int] = []  # their rows in previous.token_ids
+        row_of: dict[str, int] = {}
+        offset = 0
+        for chunk in sched.chunks:
+            seq = chunk.seq
+            if chunk.start + chunk.num_tokens > seq.num_known:
+                # Only a decode can read a pending token: the one its last step sampled.
+                if previous is None or chunk.num_tokens != 1:
+                    raise RuntimeError(f"{seq.request_id}: input token {chunk.start} unknown")
+                row_of = row_of or {rid: i for i, rid in enumerate(previous.request_ids)}
+                at.append(offset)
+                source.append(row_of[seq.request_id])
+            offset += chunk.num_tokens
+        if not at:
+            return None
+        assert previous is not None
+        tokens = previous.token_ids
+
+        def fill(input_ids: torch.Tensor) -> None:
+            index = _to_device([at, source], input_ids.device)  # [2, P]
+            input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
+
+        return fill
 
     def _graph_step(self, sched: SchedulerOutput) -> bool:
         """A decode-only step (every chunk one token, sampled) that fits a captured size."""
@@ -120,7 +156,7 @@ class ModelRunner:
         for chunk, table in zip(sched.chunks, block_tables, strict=True):
             end = chunk.start + chunk.num_tokens
             if chunk.num_tokens == 1:
-                ids.append(chunk.seq.token_at(chunk.start))
+                ids.append(_first_input(chunk))
             else:
                 ids += chunk.seq.all_ids()[chunk.start : end]
             span = range(chunk.start, end)
@@ -139,3 +175,18 @@ class ModelRunner:
 
     def free(self, request_id: str) -> None:
         self.sampler.free(request_id)
+
+
+def _first_input(chunk: ScheduledChunk) -> int:
+    """The chunk's first input token; 0 stands in for one still pending (filled on device)."""
+    seq = chunk.seq
+    return seq.token_at(chunk.start) if chunk.start < seq.num_known else 0
+
+
+def _to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """An int64 tensor on ``device``; on a GPU copied from pinned memory without blocking the
+    host (a blocking copy would wait for every step already queued)."""
+    host = torch.tensor(rows, dtype=torch.long)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -53,6 +53,18 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # one per row; None where the row did not ask
 
 
+@dataclass(frozen=True, slots=True)
+class SamplerLaunch:
+    """A queued sampling: the chosen tokens on the device, and what reads them back."""
+
+    request_ids: list[str]  # one per row
+    token_ids: torch.Tensor  # [S] int64 on the device: a next step can take its inputs here
+    read: Callable[[], SamplerOutput]  # waits for the device: the step's one host sync
+
+    def __call__(self) -> SamplerOutput:
+        return self.read()
+
+
 class Sampler:
     """Picks each row's next token; keeps one generator per sampled request until ``free``."""
 
@@ -64,16 +76,17 @@ class Sampler:
         """logits [N, V] float32, the model's raw output, aligned with ``rows``."""
         return self.launch(logits, rows)()
 
-    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
-               ) -> Callable[[], SamplerOutput]:
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerLaunch:
         """Queue the sampling (on a GPU it runs asynchronously) and return what reads the
         chosen tokens back: the one host synchronisation of a step, left to the caller."""
         self._check(logits, rows)
+        ids = [row.request_id for row in rows]
         if not rows:
-            return lambda: SamplerOutput([], [])
+            empty = torch.empty(0, dtype=torch.long, device=logits.device)
+            return SamplerLaunch(ids, empty, lambda: SamplerOutput([], []))
         params = [row.params for row in rows]
         raw = logits
-        if any(_penalised(p) for p in params):
+        if any(is_penalised(p) for p in params):
             logits = apply_penalties(logits, rows)
         sampled = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
         if len(sampled) == len(rows):
@@ -84,13 +97,21 @@ class Sampler:
                 index = torch.tensor(sampled, device=logits.device)
                 chosen[index] = self._sample(logits[index], [rows[i] for i in sampled])
 
-        def result() -> SamplerOutput:
-            logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-            if any(p.logprobs is not None for p in params):
-                logprobs = chosen_logprobs(raw, chosen, [p.logprobs for p in params])
-            return SamplerOutput(chosen.tolist(), logprobs)
+        wanted = [p.logprobs for p in params]
+        asking = any(n is not None for n in wanted)
+        tensors = [chosen, *(_logprob_tensors(raw, chosen, wanted) if asking else ())]
+        # The copies back start now: the reader may queue the next step first, and a copy
+        # queued behind that step would wait for it too.
+        host, wait = _copy_to_host(tensors)
 
-        return result
+        def result() -> SamplerOutput:
+            wait()
+            logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+            if asking:
+                logprobs = _logprob_lists(wanted, *host[1:])
+            return SamplerOutput(host[0].tolist(), logprobs)
+
+        return SamplerLaunch(ids, chosen, result)
 
     def free(self, request_id: str) -> None:
         """Forget the request's generator; the same id later starts its stream anew."""
@@ -142,7 +163,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     n, vocab = logits.shape
     params = [row.params for row in rows]
     repeats = [r.prompt_ids if r.params.repetition_penalty != 1 else [] for r in rows]
-    outputs = _padded([r.output_ids if _penalised(r.params) else [] for r in rows], vocab)
+    outputs = _padded([r.output_ids if is_penalised(r.params) else [] for r in rows], vocab)
     # One scatter_add counts both: columns [0, V) count prompt and generated tokens (what the
     # repetition penalty has seen), columns [V+1, 2V+1) generated tokens only. The padding
     # (id V) lands in columns V and 2V+1, which are dropped.
@@ -212,13 +233,27 @@ def chosen_logprobs(
     Like vLLM by default, these are the model's own probabilities: before penalties,
     temperature and filters. Only the rows that ask (``wanted[i]`` not None) are computed.
     """
+    return _logprob_lists(wanted, *_logprob_tensors(raw_logits, chosen, wanted))
+
+
+def _logprob_tensors(
+    raw_logits: torch.Tensor, chosen: torch.Tensor, wanted: list[int | None]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``chosen_logprobs`` on the device: the asking rows' chosen logprob [M], top logprobs
+    [M, n] and top ids [M, n], floored."""
     asking = [i for i, n in enumerate(wanted) if n is not None]
     index = torch.tensor(asking, device=raw_logits.device)
     logprobs = raw_logits.index_select(0, index).log_softmax(dim=-1)  # [M, V]
     picked = logprobs.gather(1, chosen.index_select(0, index)[:, None]).squeeze(1)  # [M]
     top_values, top_ids = logprobs.topk(max(wanted[i] or 0 for i in asking), dim=-1)  # [M, n]
-    picked_l = picked.clamp_min(LOGPROB_FLOOR).tolist()
-    values_l, ids_l = top_values.clamp_min(LOGPROB_FLOOR).tolist(), top_ids.tolist()
+    return picked.clamp_min(LOGPROB_FLOOR), top_values.clamp_min(LOGPROB_FLOOR), top_ids
+
+
+def _logprob_lists(wanted: list[int | None], picked: torch.Tensor, top_values: torch.Tensor,
+                   top_ids: torch.Tensor) -> list[TokenLogprobs | None]:
+    """``_logprob_tensors``' results (on the host) as one entry per row."""
+    asking = [i for i, n in enumerate(wanted) if n is not None]
+    picked_l, values_l, ids_l = picked.tolist(), top_values.tolist(), top_ids.tolist()
     result: list[TokenLogprobs | None] = [None] * len(wanted)
     for j, i in enumerate(asking):
         n = wanted[i] or 0
@@ -255,7 +290,22 @@ def _apply_top_k_top_p(
     return logits.masked_fill(logits < cutoff, float("-inf"))
 
 
-def _penalised(params: SamplingParams) -> bool:
+def _copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    """Start copying device tensors back; returns the host tensors and what waits for them.
+
+    On a GPU the copies go to pinned memory without blocking, and an event marks their end;
+    on the CPU there is nothing to copy or wait for."""
+    device = tensors[0].device
+    if device.type != "cuda":
+        return tensors, lambda: None
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    return host, done.synchronize
+
+
+def is_penalised(params: SamplingParams) -> bool:
+    """Whether sampling reads the request's generated (or prompt) token ids."""
     return (
         params.repetition_penalty != 1
         or params.presence_penalty != 0

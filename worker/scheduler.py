@@ -103,7 +103,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.running.sort(key=Sequence.sort_key)
-        decodes = [s for s in self.running if s.num_uncomputed == 1]
+        # A request holding its last token (still being sampled) needs no more compute: it
+        # ends when that token is read, and no cache slot is taken beyond its limit.
+        decodes = [s for s in self.running if s.num_uncomputed == 1 and not s.is_complete]
         prefills = [s for s in self.running if s.num_uncomputed > 1]
         for seq in decodes + prefills:
             # A preempted victim's chunk leaves the batch, so the budget is recounted each time.
@@ -122,13 +124,16 @@ class Scheduler:
         """Record that the runner computed the scheduled chunks (before new tokens append).
 
         A request that finished after its step was scheduled (possible when the engine builds
-        outputs while the next step runs) has freed its blocks: its chunk is skipped."""
+        outputs while the next step runs) has freed its blocks: its chunk is skipped. A token
+        still pending (sampled, not read back) lies at ``num_computed``, never inside a full
+        computed block, so no block is registered under a hash of an unknown token."""
         bs = self.blocks.block_size
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.status is SeqStatus.FINISHED:
                 continue
             seq.num_computed = chunk.start + chunk.num_tokens
+            assert seq.num_computed <= seq.num_known, "a pending token was computed"
             if seq.num_computed // bs > chunk.start // bs:  # a block became full: register it
                 self.blocks.commit(seq.request_id, seq.all_ids(), seq.num_computed)
 

@@ -30,6 +30,11 @@ class Sequence:
     priority: int = 0  # higher runs first within a lane
     deadline_ms: int | None = None
     output_ids: list[int] = field(default_factory=list)
+    # Tokens sampled on the device but not read back yet (async scheduling launches the next
+    # step first): counted in ``num_tokens``, so they are scheduled and get cache slots, but
+    # not in ``output_ids``. They are always the sequence's last tokens.
+    num_pending: int = 0
+    max_num_tokens: int | None = None  # prompt + max_tokens within the context; None: no cap
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose keys and values are in the cache
     num_cached_prompt: int = 0  # prompt tokens served by the prefix cache (last admission)
@@ -38,7 +43,19 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Every token, pending ones included: what the scheduler and the cache count."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host has: ``all_ids()`` and ``token_at`` cover these."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_complete(self) -> bool:
+        """It holds its last token (read back or pending): nothing more is computed for it,
+        and its request ends once that token is read."""
+        return self.max_num_tokens is not None and self.num_tokens >= self.max_num_tokens
 
     @property
     def num_uncomputed(self) -> int:

@@ -41,15 +41,16 @@ def default_model(device: str, dtype: torch.dtype) -> LoadedModel:
     return load_model("smollm2", device=device, dtype=dtype)
 
 
-def greedy(loaded: LoadedModel, *, cuda_graphs: bool = True, max_num_seqs: int = 16
-           ) -> list[list[int]]:
+def greedy(loaded: LoadedModel, *, cuda_graphs: bool = True, max_num_seqs: int = 16,
+           async_scheduling: bool | None = None, seeded: bool = False) -> list[list[int]]:
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
-        max_model_len=2048, max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, kv_cache_gb=1.0,
-        cuda_graphs=cuda_graphs))
+        max_model_len=2048, max_num_seqs=max_num_seqs, max_num_batched_tokens=1024,
+        kv_cache_gb=1.0, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling))
     for i, text in enumerate(PROMPTS):
         ids = loaded.tokenizer.encode_prompt(None, [{"role": "user", "content": text}])
+        temperature = 0.8 if seeded and i % 2 else 0.0
         engine.add_request(EngineRequest(f"p{i}", ids, SamplingParams(
-            max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)))
+            max_tokens=NEW_TOKENS, temperature=temperature, seed=i, ignore_eos=True)))
     tokens: dict[str, list[int]] = {f"p{i}": [] for i in range(len(PROMPTS))}
     while engine.has_unfinished():
         for out in engine.step():
@@ -94,6 +95,16 @@ def test_cuda_graph_replay_gives_the_eager_tokens() -> None:
     same = sum(a == b for g, e in zip(graphs, eager, strict=True) for a, b in zip(g, e, strict=True))
     assert same >= 0.95 * NEW_TOKENS * len(PROMPTS)
     assert all(g[:8] == e[:8] for g, e in zip(graphs, eager, strict=True))
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_async_scheduling_takes_the_pending_input_tokens_on_the_device(cuda_graphs: bool) -> None:
+    """Launching each step before reading the last (decodes take their input ids from the
+    previous step's sampled tokens on the GPU) gives exactly the tokens of reading first."""
+    loaded = default_model("cuda", torch.bfloat16)
+    ahead = greedy(loaded, cuda_graphs=cuda_graphs, async_scheduling=True, seeded=True)
+    read_first = greedy(loaded, cuda_graphs=cuda_graphs, async_scheduling=False, seeded=True)
+    assert ahead == read_first
 
 
 def test_a_graph_decode_step_synchronises_only_to_read_the_tokens() -> None:

@@ -1,7 +1,8 @@
 """``async_output``: a step's outputs are built while the next step runs. Every request must get
 exactly what the plain engine gives it (tokens, text, finish reason, logprobs), one call later:
 stop strings found a step late drop the extra token, aborts drop the in-flight one, preemption
-and seeded sampling are unaffected."""
+and seeded sampling are unaffected. (Here each step's tokens are read before the next is
+scheduled; test_engine_async_scheduling.py launches the next step first.)"""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def run(loaded: LoadedModel, async_output: bool, stop: str | None, **config: obj
         ) -> dict[str, list[RequestOutput]]:
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
         max_model_len=2048, max_num_batched_tokens=64, async_output=async_output,
-        **config))  # type: ignore[arg-type]
+        async_scheduling=False, **config))  # type: ignore[arg-type]
     assert engine.async_output is async_output
     for req in requests(loaded, stop):
         engine.add_request(req)

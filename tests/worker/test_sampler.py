@@ -329,6 +329,20 @@ def test_a_mixed_batch_returns_one_token_and_logprobs_entry_per_row() -> None:
     assert out.logprobs[3] is not None and len(out.logprobs[3].top) == 4
 
 
+def test_a_launch_holds_the_chosen_tokens_before_they_are_read_back() -> None:
+    # What async scheduling feeds the next step from, without reading the tokens back.
+    torch.manual_seed(6)
+    batch = [row("greedy"), row("sampled", temperature=0.9, seed=4, logprobs=2)]
+    logits = torch.randn(2, 32)
+    launched = Sampler().launch(logits, batch)
+    assert launched.request_ids == ["greedy", "sampled"]
+    assert launched.token_ids.dtype == torch.long
+    chosen = launched.token_ids.tolist()
+    out = launched()
+    assert out.token_ids == chosen == Sampler()(logits, batch).token_ids
+    assert out.logprobs[1] is not None and out.logprobs[1].top[0][0] == int(logits[1].argmax())
+
+
 def test_an_empty_batch_samples_nothing() -> None:
     assert Sampler()(torch.zeros(0, 5), []) == SamplerOutput([], [])
 

@@ -173,3 +173,42 @@ def test_remove_releases_blocks_for_running_and_waiting() -> None:
     s.remove(b)
     assert s.blocks.num_free_blocks == 10 and not s.has_work()
     assert a.status is SeqStatus.FINISHED and b.status is SeqStatus.FINISHED
+
+
+def test_a_pending_token_is_scheduled_as_a_decode_with_its_cache_slot() -> None:
+    # Async scheduling: each step is scheduled before the last step's token is read back.
+    s = make(block_size=4)
+    a = seq("a", 4)
+    s.add(a)
+    launched = s.schedule()  # the prompt
+    a.num_pending += 1
+    for token in (100, 101, 102, 103):
+        s.commit(launched)
+        assert a.num_computed == a.num_known == a.num_tokens - 1  # all but the pending one
+        nxt = s.schedule()
+        assert shape(nxt) == [("a", a.num_computed, 1)] and nxt.chunks[0].samples
+        assert len(s.blocks.block_table("a")) == 2  # from the first decode: its slot
+        # Only the prompt's block is registered: no block holding a pending token.
+        assert len(s.blocks.cached_prefix([*a.prompt_ids, *a.output_ids, 0, 0, 0, 0])) == 1
+        a.num_pending += 1  # launched; then the last step's token is read back
+        a.num_pending -= 1
+        a.output_ids.append(token)
+        launched = nxt
+    s.commit(launched)  # block 1 is full and computed now, its tokens all read back
+    assert len(s.blocks.cached_prefix([*a.prompt_ids, 100, 101, 102, 103, 0])) == 2
+    assert len(s.blocks.cached_prefix([*a.prompt_ids, 100, 101, 102, 0, 0])) == 1
+
+
+def test_a_request_holding_its_last_token_is_not_scheduled_again() -> None:
+    s = make(block_size=4)
+    a, b = seq("a", 4), seq("b", 3)
+    a.max_num_tokens = 5  # max_tokens = 1
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    a.num_pending = b.num_pending = 1
+    s.commit(out)
+    assert a.is_complete and not b.is_complete
+    # a's pending token ends it once read: no chunk, no block for a position beyond its limit.
+    assert shape(s.schedule()) == [("b", 3, 1)]
+    assert len(s.blocks.block_table("a")) == 1
