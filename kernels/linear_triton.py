@@ -67,6 +67,27 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def _store_rows(out, out_u, rstd, offs_m, rows, mask_m, N, add_ptr, out_ptr, stride_am,
+                stride_om, SCALE: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr):
+    """Epilogue of a [BLOCK_M, BLOCK_N] block of float32 sums: 1/rms, SiLU-and-mul, the add."""
+    if SCALE:
+        out = out * rstd[:, None]
+        out_u = out_u * rstd[:, None]
+    mask = mask_m[:, None] & (rows < N)[None, :]
+    if SILU:
+        # Round the projections first, as the unfused reference's silu_and_mul sees them.
+        g = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+        u = out_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32) * u
+    if ADD:
+        # The residual stream: one rounding of projection + residual.
+        out += tl.load(add_ptr + offs_m[:, None] * stride_am + rows[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + rows[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _skinny_linear_kernel(
     x_ptr, norm_ptr, w_ptr, add_ptr, out_ptr,
     M, N, K,
@@ -149,43 +170,9 @@ def _skinny_linear_kernel(
     else:
         out = tl.sum(acc, axis=2)
         out_u = tl.sum(acc_u, axis=2)
-    if NORM:
-        rstd = 1.0 / tl.sqrt(sumsq / K + eps)
-        out = out * rstd[:, None]
-        out_u = out_u * rstd[:, None]
-    mask_out = mask_m[:, None] & mask_n[None, :]
-    if SILU:
-        # Round the projections first, as the unfused reference's silu_and_mul sees them.
-        g = out.to(out_ptr.dtype.element_ty).to(tl.float32)
-        u = out_u.to(out_ptr.dtype.element_ty).to(tl.float32)
-        out = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32) * u
-    if ADD:
-        # The residual stream: one rounding of projection + residual.
-        out += tl.load(add_ptr + offs_m[:, None] * stride_am + offs_n[None, :], mask=mask_out,
-                       other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask_out)
-
-
-@triton.jit
-def _store_rows(out, out_u, rstd, offs_m, rows, mask_m, N, add_ptr, out_ptr, stride_am,
-                stride_om, SCALE: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr):
-    """Epilogue of a [BLOCK_M, BLOCK_N] block of float32 sums: 1/rms, SiLU-and-mul, the add."""
-    if SCALE:
-        out = out * rstd[:, None]
-        out_u = out_u * rstd[:, None]
-    mask = mask_m[:, None] & (rows < N)[None, :]
-    if SILU:
-        # Round the projections first, as the unfused reference's silu_and_mul sees them.
-        g = out.to(out_ptr.dtype.element_ty).to(tl.float32)
-        u = out_u.to(out_ptr.dtype.element_ty).to(tl.float32)
-        out = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32) * u
-    if ADD:
-        # The residual stream: one rounding of projection + residual.
-        out += tl.load(add_ptr + offs_m[:, None] * stride_am + rows[None, :], mask=mask,
-                       other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + rows[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(sumsq / K + eps)
+    _store_rows(out, out_u, rstd, offs_m, offs_n, mask_m, N, add_ptr, out_ptr, stride_am,
+                stride_om, NORM, SILU, ADD)
 
 
 @triton.jit
@@ -378,35 +365,24 @@ def skinny_linear_triton(
     cfg = config or default_config(m, n, k, silu)
     use_pdl = pdl_supported(x.device) if pdl is None else pdl
     block_m = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
+    # Both kernels take the same tensors, sizes, strides, fusions and tile.
+    args = (x, x if norm_weight is None else norm_weight, weight, out if add is None else add,
+            out, m, n, k,
+            x.stride(0), weight.stride(0), 0 if add is None else add.stride(0), out.stride(0),
+            n * weight.stride(0), eps)
+    common = dict(
+        NORM=norm_weight is not None, SILU=silu, ADD=add is not None,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PDL=use_pdl, PREFETCH=cfg.prefetch if use_pdl else 0, LINE=128 // weight.element_size(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if use_pdl else {}))
     blocks = triton.cdiv(n, cfg.block_n)
     if cfg.persistent and not cfg.dot:
         grid = (min(blocks, cfg.persistent * _num_sms(x.device)),)
-        _persistent_gemv_kernel[grid](
-            x, x if norm_weight is None else norm_weight, weight, out if add is None else add,
-            out, m, n, k,
-            x.stride(0), weight.stride(0), 0 if add is None else add.stride(0), out.stride(0),
-            n * weight.stride(0), eps,
-            NORM=norm_weight is not None, SILU=silu, ADD=add is not None,
-            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            PDL=use_pdl, PREFETCH=cfg.prefetch if use_pdl else 0,
-            LINE=128 // weight.element_size(), ONE_SHOT=k <= cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **({"launch_pdl": True} if use_pdl else {}),
-        )
-        return out
-    grid = (blocks,)
-    _skinny_linear_kernel[grid](
-        x, x if norm_weight is None else norm_weight, weight, out if add is None else add, out,
-        m, n, k,
-        x.stride(0), weight.stride(0), 0 if add is None else add.stride(0), out.stride(0),
-        n * weight.stride(0), eps,
-        NORM=norm_weight is not None, SILU=silu, ADD=add is not None,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.dot,
-        # float32 weights: exact products, not TF32's 10-bit mantissas.
-        DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", ACC3=cfg.acc3,
-        PDL=use_pdl, PREFETCH=cfg.prefetch if use_pdl else 0,
-        LINE=128 // weight.element_size(), EVEN_K=k % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if use_pdl else {}),
-    )
+        _persistent_gemv_kernel[grid](*args, ONE_SHOT=k <= cfg.block_k, **common)
+    else:
+        _skinny_linear_kernel[(blocks,)](
+            *args, DOT=cfg.dot, ACC3=cfg.acc3, EVEN_K=k % cfg.block_k == 0,
+            # float32 weights: exact products, not TF32's 10-bit mantissas.
+            DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", **common)
     return out
