@@ -15,6 +15,11 @@ import os
 import torch
 
 MODES = ("auto", "reference", "native", "triton")
+# Rows up to which a Triton-served projection takes the fused few-row kernel
+# (``kernels/linear_triton.py``) rather than the GEMM library. On an H200 (Llama-3-8B shapes,
+# bf16, ``benchmarks/gemv_sweep.py``) one row beat cuBLAS on every shape (o_proj 3.7 against
+# 2.5 TB/s, a step's projections 3.63 against 4.25 ms); at two rows cuBLAS won on three of five.
+SERVE_ROWS = 1
 
 
 def kernel_mode() -> str:

@@ -35,11 +35,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # The most rows the kernel takes (its tensor-core variant pads rows to 16).
 MAX_ROWS = 16
-# Rows up to which ``kernels.ops`` routes a CUDA projection here. On an H200 (Llama-3-8B
-# shapes, bf16, ``benchmarks/gemv_sweep.py``) one row beat cuBLAS on every shape (o_proj 3.1
-# against 2.5 TB/s, a step's projections 3.93 against 4.24 ms); at two rows cuBLAS won on
-# three of five.
-SERVE_ROWS = 1
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels.activation import silu_and_mul_ref
-from kernels.dispatch import use_triton
+from kernels.dispatch import SERVE_ROWS, use_triton
 from kernels.linear import linear as linear_impl
 from kernels.paged_attention import PagedAttentionMetadata, paged_decode_attention, store_kv_ref
 from kernels.paged_attention import paged_attention as paged_attention_cpu
@@ -26,11 +26,7 @@ def fuses_projections(x: torch.Tensor) -> bool:
     """Whether projections of ``x`` [T, H] run on the fused few-row kernel (decode steps of
     few sequences on a GPU): models then fold their norms and residual adds into
     ``norm_linear`` and ``linear(add=...)`` rather than calling ``rms_norm`` themselves."""
-    if not use_triton(x) or x.dim() != 2:
-        return False
-    from kernels.linear_triton import SERVE_ROWS
-
-    return 0 < x.shape[0] <= SERVE_ROWS
+    return x.dim() == 2 and 0 < x.shape[0] <= SERVE_ROWS and use_triton(x)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None
