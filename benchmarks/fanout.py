@@ -1,7 +1,8 @@
 """Fan-out benchmark: N WebSocket clients watching M jobs on one gateway process.
 
-A synthetic publisher writes token events the way a worker does (XADD to the job's event
-stream, then PUBLISH, one pipeline) at R events/s spread over the M jobs; every event carries
+A synthetic publisher writes token events the way a worker does (``tidegate.event_log``: every
+10 ms one batch, each event stored in its job's stream, then one message per live channel) at
+R events/s spread over the M jobs; every event carries
 its publish time, so each client measures publish -> receive latency. Reported per N:
 delivered messages/s, latency p50/p99, the gateway's CPU and its memory per connection.
 
@@ -33,8 +34,9 @@ import redis.asyncio as aioredis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tidegate.jobstore import add_event, enqueue  # noqa: E402
-from tidegate.protocol import DoneEvent, JobRequest, Timings, TokenEvent, Usage  # noqa: E402
+from tidegate.event_log import EventBatch, EventLog  # noqa: E402
+from tidegate.jobstore import enqueue  # noqa: E402
+from tidegate.protocol import DoneEvent, JobRequest, Timings, Usage, token_event_json  # noqa: E402
 
 
 def raise_file_limit() -> int:
@@ -209,7 +211,10 @@ async def _clients(url_base: str, jobs: list[str], count: int, offset: int,
 
 async def publish_for(redis: aioredis.Redis, jobs: list[str], rate: float,
                       duration_s: float) -> int:
-    """Token events at ``rate``/s over the jobs, round robin; returns how many."""
+    """Token events at ``rate``/s over the jobs, round robin, written as a worker writes them:
+    every 10 ms one batch (one script call: each event stored, then one message per live
+    channel); returns how many."""
+    log = EventLog(redis)
     next_id = dict.fromkeys(jobs, 2)
     sent = 0
     start = time.perf_counter()
@@ -217,25 +222,24 @@ async def publish_for(redis: aioredis.Redis, jobs: list[str], rate: float,
     while (elapsed := time.perf_counter() - start) < duration_s:
         due = int(elapsed * rate) - sent
         if due > 0:
-            pipe = redis.pipeline(transaction=False)
+            batch = EventBatch()
             for k in range(due):
                 job = jobs[(sent + k) % len(jobs)]
                 event_id = next_id[job]
                 next_id[job] += 1
-                raw = TokenEvent(id=event_id, job_id=job, index=event_id - 2,
-                                 text=str(time.time_ns()), token_ids=[0]).model_dump_json()
-                add_event(pipe, job, raw)
-            await pipe.execute()
+                raw = token_event_json(event_id, job, event_id - 2, str(time.time_ns()), [0])
+                batch.add_event(job, event_id, "token", raw)
+            await log.write(batch)
             sent += due
         await asyncio.sleep(tick)
-    for job in jobs:  # the final events close every client
-        pipe = redis.pipeline(transaction=False)
-        add_event(pipe, job, DoneEvent(
+    batch = EventBatch()  # the final events close every client
+    for job in jobs:
+        batch.add_event(job, next_id[job], "done", DoneEvent(
             id=next_id[job], job_id=job, finish_reason="length", text="",
             usage=Usage(prompt_tokens=1, completion_tokens=0, total_tokens=1),
             timings=Timings(queue_ms=0, ttft_ms=0, total_ms=0, decode_tokens_per_s=0),
         ).model_dump_json())
-        await pipe.execute()
+    await log.write(batch)
     return sent
 
 

@@ -36,7 +36,10 @@ async def batch_enqueue(ctx: dict[str, Any], batch_id: str) -> int:
     """Queue every line not yet on the lane; returns how many this run queued."""
     redis: aioredis.Redis = ctx["tidegate_redis"]
     state = await redis.hgetall(keys.batch_hash(batch_id))
-    if not state or state["status"] in ("cancelling", "cancelled", "completed"):
+    if state and state["status"] == "cancelling":  # cancelled before its lines were queued
+        await _next_round(ctx, batch_id, 0)  # (arq runs one job per id: a repeat is a no-op)
+        return 0
+    if not state or state["status"] in ("cancelled", "completed"):
         return 0
     await redis.hset(keys.batch_hash(batch_id), "status", "running")
     total = int(state["total"])
@@ -52,6 +55,8 @@ async def batch_enqueue(ctx: dict[str, Any], batch_id: str) -> int:
             if seen is not None or bad is not None:
                 continue
             if await redis.hget(keys.batch_hash(batch_id), "status") == "cancelling":
+                # The collector still has to record every line (as cancelled) and end it.
+                await _next_round(ctx, batch_id, 0)
                 return queued
             line = json.loads(raw)
             job = line_request(line["body"]).to_job(default_timeout_s=0,

@@ -1,5 +1,6 @@
-"""One enqueued job answered in OpenAI's shape: its events followed until the final one and
-rendered as one JSON body or as server-sent events.
+"""One enqueued job answered in OpenAI's shape: its events followed (through the API process's
+``EventHub``, as the gateway's watchers are) until the final one and rendered as one JSON body
+or as server-sent events.
 
 The status line waits for the job's first event after ``queued``, so a job a worker rejects at
 once gets a real 429/504 instead of an error inside a 200 stream. A client that leaves stops
@@ -26,7 +27,8 @@ from starlette.types import Receive, Scope, Send
 
 from producer.openai_errors import OpenAIError, from_error_event, from_rejected
 from producer.openai_format import FINISH_REASONS, Shape, TokenLogprob, TokenSpeller
-from tidegate.event_feed import FeedEvent, follow
+from tidegate.event_feed import FeedEvent
+from tidegate.event_hub import EventHub, Lagging
 from tidegate.jobstore import request_cancel
 
 log = logging.getLogger(__name__)
@@ -38,9 +40,10 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
 class Answer:
     """An ASGI app answering one job; build it after the job was enqueued."""
 
-    def __init__(self, redis: aioredis.Redis, job_id: str, shape: Shape, speller: TokenSpeller,
-                 *, stream: bool, retry_after_s: int):
-        self.redis, self.job_id, self.shape, self.speller = redis, job_id, shape, speller
+    def __init__(self, redis: aioredis.Redis, hub: EventHub, job_id: str, shape: Shape,
+                 speller: TokenSpeller, *, stream: bool, retry_after_s: int):
+        self.redis, self.hub, self.job_id = redis, hub, job_id
+        self.shape, self.speller = shape, speller
         self.stream = stream
         self.retry_after_s = retry_after_s  # what a client a worker turned away is told to wait
         self._gone = False  # the client left (found by a failed send)
@@ -58,8 +61,8 @@ class Answer:
         try:
             await asyncio.wait({answer, listener}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            # A plain task cancel (not a level-triggered cancel scope) lets follow()'s cleanup
-            # await the release of its pub/sub connection, as the gateway does.
+            # A plain task cancel (not a level-triggered cancel scope) lets the watch's cleanup
+            # await the release of its subscription, as the gateway does.
             answer.cancel()
             listener.cancel()
             await asyncio.wait({answer, listener})
@@ -70,13 +73,17 @@ class Answer:
 
     async def _answer(self) -> None:
         try:
-            async with contextlib.aclosing(follow(self.redis, self.job_id)) as feed:
+            async with self.hub.watch(self.job_id) as watch:
+                feed = watch.events()
                 await (self._relay(feed) if self.stream else self._collect(feed))
         except OpenAIError as error:
             await self._fail(error)
         except RedisError as exc:
             await self._fail(OpenAIError(503, f"the event store is unavailable "
                                          f"({type(exc).__name__}); retry later",
+                                         code="service_unavailable"))
+        except Lagging:  # the client reads slower than the job streams
+            await self._fail(OpenAIError(503, "the client fell too far behind the stream; retry",
                                          code="service_unavailable"))
         except OSError:  # a send to a client that left (servers of ASGI spec 2.4 raise)
             self._gone = True

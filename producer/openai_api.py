@@ -102,7 +102,7 @@ class OpenAIRoutes:
             id=f"{id_prefix}{job_id}", model=self.model_name, created=int(time.time()),
             logprobs=body.wants_logprobs,
             include_usage=bool(body.stream) and body.include_usage)
-        return Answer(self.api._connected(), job_id, answer_shape, self.speller,
+        return Answer(self.api._connected(), self.api.hub, job_id, answer_shape, self.speller,
                       stream=bool(body.stream), retry_after_s=self.api.settings.retry_after_s)
 
     async def _submit(self, body: CompletionRequest | ChatCompletionRequest, tenant: str) -> str:

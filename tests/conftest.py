@@ -88,6 +88,13 @@ class RedisServer:
             self.proc.wait(10)
             self.proc = None
 
+    def kill(self) -> None:
+        """SIGKILL: a crash, not a shutdown (AOF with fsync always keeps every write)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
     def restart(self) -> None:
         self.stop()
         self.start()

@@ -1,9 +1,12 @@
 """One process's pub/sub multiplexer: every watcher of every job over one Redis subscription.
 
-A gateway (or API) process holds one ``EventHub``. The first watcher of a job subscribes the
-hub's single pub/sub connection to the job's channel; the last one to leave unsubscribes it. One
-reader task takes every message off that connection and offers it to the job's watchers, each
-of which has a bounded queue: offering never blocks, so a stalled client can delay neither the
+A gateway (or API) process holds one ``EventHub``. Live events travel on a few shared channels
+(``keys.live_channel``, one message per channel per worker write, a line per event:
+``tidegate.event_log``); the first watcher of a job whose channel is not subscribed yet
+subscribes the hub's single pub/sub connection to it, and the last watcher of that channel's
+jobs unsubscribes it. One reader task takes every message off that connection, routes each line
+by its job id (without parsing the event) and offers the event to the job's watchers, each of
+which has a bounded queue: offering never blocks, so a stalled client can delay neither the
 reader, nor the other clients, nor (through Redis' output buffer) the worker. A watcher whose
 queue overflows is marked lagging and must be closed; it can resume from its last event id.
 
@@ -28,7 +31,7 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from tidegate import keys
-from tidegate.event_feed import FeedEvent, parse_event, stored_events
+from tidegate.event_feed import FeedEvent, stored_events
 
 log = logging.getLogger("tidegate.hub")
 
@@ -175,12 +178,20 @@ class Watch:
 
 
 @dataclass(slots=True)
-class _Topic:
-    """The watchers of one job's channel."""
+class _Channel:
+    """One subscribed live channel and how many watched jobs need it."""
 
-    channel: str
-    watchers: set[Watch] = field(default_factory=set)
+    name: str
+    jobs: int = 0
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # SUBSCRIBE confirmed
+
+
+@dataclass(slots=True)
+class _Topic:
+    """The watchers of one job."""
+
+    channel: _Channel
+    watchers: set[Watch] = field(default_factory=set)
     last_seen: int = 0  # highest event id any watcher got: where the poller reads from
     quiet_since: float = 0.0
     encoded_id: int = -1  # the event whose wire form ``encoded`` holds (Watch.encoded)
@@ -200,7 +211,7 @@ class EventHub:
         self.queue_size = queue_size
         self.poll_s = poll_s
         self._topics: dict[str, _Topic] = {}  # job id -> topic
-        self._by_channel: dict[str, _Topic] = {}
+        self._channels: dict[str, _Channel] = {}  # subscribed (or subscribing) live channels
         self._pubsub: PubSub | None = None
         self._subscribed = asyncio.Event()  # the reader has something to read
         self._command_lock = asyncio.Lock()
@@ -237,15 +248,21 @@ class EventHub:
         topic = self._topics.get(job_id)
         watch = Watch(self, job_id, after_id, self.queue_size)
         if topic is None:
-            topic = self._topics[job_id] = _Topic(keys.job_channel(job_id))
+            name = keys.job_live_channel(job_id)
+            channel = self._channels.get(name)
+            subscribe = channel is None
+            if channel is None:
+                channel = self._channels[name] = _Channel(name)
+            channel.jobs += 1
+            topic = self._topics[job_id] = _Topic(channel)
             topic.quiet_since = asyncio.get_running_loop().time()
-            self._by_channel[topic.channel] = topic
             topic.watchers.add(watch)
-            try:
-                await self._send("SUBSCRIBE", topic.channel)
-            except BaseException:
-                await self._leave(job_id, topic, watch)
-                raise
+            if subscribe:
+                try:
+                    await self._send("SUBSCRIBE", name)
+                except BaseException:
+                    await self._leave(job_id, topic, watch)
+                    raise
         else:
             topic.watchers.add(watch)
         try:
@@ -257,16 +274,19 @@ class EventHub:
         topic.watchers.discard(watch)
         if not topic.watchers and self._topics.get(job_id) is topic:
             del self._topics[job_id]
-            del self._by_channel[topic.channel]
-            with contextlib.suppress(RedisError, OSError):
-                await self._send("UNSUBSCRIBE", topic.channel)
+            channel = topic.channel
+            channel.jobs -= 1
+            if channel.jobs == 0 and self._channels.get(channel.name) is channel:
+                del self._channels[channel.name]
+                with contextlib.suppress(RedisError, OSError):
+                    await self._send("UNSUBSCRIBE", channel.name)
 
     async def _ready(self, topic: _Topic) -> None:
-        """Until the topic's subscription is confirmed (at most one poll interval: the replay
-        and the poller cover anything published before it is)."""
+        """Until the topic's channel subscription is confirmed (at most one poll interval: the
+        replay and the poller cover anything published before it is)."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.poll_s):
-                await topic.ready.wait()
+                await topic.channel.ready.wait()
 
     async def _send(self, command: str, channel: str) -> None:
         assert self._pubsub is not None, "EventHub.start() was not called"
@@ -298,19 +318,27 @@ class EventHub:
             if msg is None:
                 continue
             self.connected = True
-            channel = msg["channel"]
-            topic = self._by_channel.get(channel)
+            if msg["type"] == "message":
+                self._route(msg["data"])
+            elif msg["type"] == "subscribe":
+                channel = self._channels.get(msg["channel"])
+                if channel is not None:
+                    channel.ready.set()
+
+    def _route(self, message: str) -> None:
+        """Offer each line's event to its job's watchers (lines of unwatched jobs are skipped
+        unparsed: a channel carries the events of many jobs)."""
+        topics = self._topics
+        for line in message.split("\n"):
+            job_id, _, rest = line.partition(" ")
+            topic = topics.get(job_id)
             if topic is None:
-                continue  # an unsubscribed channel's last message
-            if msg["type"] == "subscribe":
-                topic.ready.set()
-            elif msg["type"] == "message":
-                try:
-                    event = parse_event(msg["data"])
-                except (ValueError, KeyError, TypeError):
-                    log.warning("dropped a malformed event on %s", channel)
-                    continue
-                self._deliver(topic, event)
+                continue
+            parts = rest.split(" ", 2)
+            if len(parts) != 3 or not parts[0].isdecimal():
+                log.warning("dropped a malformed live line for job %s", job_id)
+                continue
+            self._deliver(topic, FeedEvent(int(parts[0]), parts[1], parts[2]))
 
     async def _reconnect(self, exc: BaseException) -> None:
         """A new pub/sub connection subscribed to every watched channel. Anything published
@@ -324,10 +352,11 @@ class EventHub:
         while True:
             try:
                 async with self._command_lock:
+                    for channel in self._channels.values():
+                        channel.ready.clear()
                     for topic in self._topics.values():
-                        topic.ready.clear()
                         topic.quiet_since = 0.0
-                    channels = list(self._by_channel)
+                    channels = list(self._channels)
                     if channels:
                         await self._pubsub.subscribe(*channels)
                     else:

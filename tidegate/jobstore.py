@@ -9,13 +9,23 @@ everybody reads it through ``read_result``.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
 from tidegate import keys
+from tidegate.event_log import EVENT_FIELD, entry_id
 from tidegate.protocol import Job, JobResult, QueuedEvent
 
-EVENT_FIELD = "e"  # the one field of an event stream entry: the event's JSON
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A worker's claim on a job: the status it had, and the id its next event takes."""
+
+    before: str  # 'queued'/'running': run it; 'cancel_requested' or a final status: don't
+    next_event_id: int
+
+
 JOB_FIELD = "job"  # the one field of a lane stream entry: the Job's JSON
 
 
@@ -38,9 +48,13 @@ async def enqueue(
     pipe = redis.pipeline(transaction=True)
     pipe.hset(keys.job_hash(job.id), mapping=record)
     pipe.expire(keys.job_hash(job.id), ttl_s)
-    pipe.xadd(keys.job_events(job.id), {EVENT_FIELD: queued.model_dump_json()})
+    pipe.xadd(keys.job_events(job.id), {EVENT_FIELD: queued.model_dump_json()}, id=entry_id(1))
     pipe.expire(keys.job_events(job.id), ttl_s)
-    await pipe.execute()
+    # A job enqueued again under its id (a batch line re-queued after a crash) keeps its first
+    # ``queued`` event: Redis refuses a second entry 1-0, and that refusal is expected.
+    for reply in await pipe.execute(raise_on_error=False):
+        if isinstance(reply, Exception) and "equal or smaller" not in str(reply):
+            raise reply
     await redis.xadd(
         keys.lane_stream(job.lane, partition),
         {JOB_FIELD: job.model_dump_json()},
@@ -69,27 +83,9 @@ async def read_result(redis: aioredis.Redis, job_id: str) -> JobResult | None:
     return JobResult.model_validate(fields)
 
 
-def add_event(pipe: aioredis.client.Pipeline, job_id: str, raw: str, *, ttl_s: int = keys.JOB_TTL_S) -> None:
-    """Queue one event on a pipeline: XADD to the job's stream first, then PUBLISH it.
-
-    Stream before channel is what lets followers treat the stream as the truth
-    (``tidegate.event_feed``).
-    """
-    pipe.xadd(keys.job_events(job_id), {EVENT_FIELD: raw}, maxlen=keys.EVENTS_MAXLEN,
-              approximate=True)
-    pipe.expire(keys.job_events(job_id), ttl_s)
-    pipe.publish(keys.job_channel(job_id), raw)
-
-
 def set_status(pipe: aioredis.client.Pipeline, job_id: str, status: str, **fields: str) -> None:
     """Queue a status change (and any result/error JSON fields) on the job's hash."""
     pipe.hset(keys.job_hash(job_id), mapping={"status": status, **fields})
-
-
-async def last_event_id(redis: aioredis.Redis, job_id: str) -> int:
-    """The id of the job's newest stored event (0 if none), to continue the sequence."""
-    newest = await redis.xrevrange(keys.job_events(job_id), count=1)
-    return int(json.loads(newest[0][1][EVENT_FIELD])["id"]) if newest else 0
 
 
 # ---------------------------------------------------------------- state changes that must not race
@@ -101,34 +97,37 @@ _NEXT_ID_LUA = """
 local function next_event_id(events)
   local newest = redis.call('XREVRANGE', events, '+', '-', 'COUNT', 1)
   if #newest == 0 then return 1 end
-  local fields = newest[1][2]
-  for i = 1, #fields, 2 do
-    if fields[i] == 'e' then return cjson.decode(fields[i + 1])['id'] + 1 end
-  end
-  return 1
+  return tonumber(string.match(newest[1][1], '^(%d+)')) + 1
 end
 """
 
 # KEYS: job hash, job events. ARGV: worker id.
-# Returns the status before: 'queued'/'running' -> the caller runs the job (now 'running');
-# anything else (a final status) -> the caller must not run it. A cancel request wins too.
-_CLAIM_LUA = """
+# Returns {the status before, the next event id}: 'queued'/'running' -> the caller runs the job
+# (now 'running'); anything else (a final status) -> the caller must not run it. A cancel
+# request wins too.
+_CLAIM_LUA = _NEXT_ID_LUA + """
 local status = redis.call('HGET', KEYS[1], 'status')
-if redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then return 'cancel_requested' end
+local next_id = next_event_id(KEYS[2])
+if redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then
+  return {'cancel_requested', next_id}
+end
 if status == 'queued' or status == 'running' then
   redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1])
 end
-return status or 'missing'
+return {status or 'missing', next_id}
 """
 
-# KEYS: job hash, job events. ARGV: channel, ttl_s, now_ms.
-# A queued job ends here as cancelled (done event written and published); a running one is
-# flagged for its worker, which stops it within a step. Returns what happened.
+# KEYS: job hash, job events. ARGV: live channel, ttl_s, now_ms, cancel channel, job id,
+# events maxlen.
+# A queued job ends here as cancelled (done event stored and published in the live format of
+# tidegate.event_log); a running one is flagged, and its id pushed to the workers, whose one
+# running it stops it within a step. Returns what happened.
 _CANCEL_LUA = _NEXT_ID_LUA + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
 if status == 'running' then
   redis.call('HSET', KEYS[1], 'cancel_requested', '1')
+  redis.call('PUBLISH', ARGV[4], ARGV[5])
   return 'cancelling'
 end
 if status ~= 'queued' then return status end
@@ -137,22 +136,33 @@ local waited = tonumber(ARGV[3]) - job['created_ms']
 local usage = {prompt_tokens = 0, completion_tokens = 0, total_tokens = 0}
 local timings = {queue_ms = waited, ttft_ms = waited, total_ms = waited, decode_tokens_per_s = 0}
 local result = {text = '', finish_reason = 'cancelled', usage = usage, timings = timings}
-local event = {type = 'done', id = next_event_id(KEYS[2]), job_id = job['id'],
-               finish_reason = 'cancelled', text = '', usage = usage, timings = timings}
+local id = next_event_id(KEYS[2])
+local event = {type = 'done', id = id, job_id = job['id'], finish_reason = 'cancelled',
+               text = '', usage = usage, timings = timings}
 local raw = cjson.encode(event)
 redis.call('HSET', KEYS[1], 'status', 'done', 'cancel_requested', '1',
            'result', cjson.encode(result))
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', '100000', '*', 'e', raw)
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], id .. '-0', 'e', raw)
 redis.call('EXPIRE', KEYS[2], ARGV[2])
-redis.call('PUBLISH', ARGV[1], raw)
+redis.call('PUBLISH', ARGV[1], job['id'] .. ' ' .. id .. ' done ' .. raw)
 return 'cancelled'
 """
 
 
-async def claim_for_run(redis: aioredis.Redis, job_id: str, worker_id: str) -> str:
-    """Mark the job running unless it already ended or was cancelled; returns the old status."""
-    return await redis.eval(_CLAIM_LUA, 2, keys.job_hash(job_id), keys.job_events(job_id),
-                            worker_id)
+async def claim_for_run(redis: aioredis.Redis, job_id: str, worker_id: str) -> Claim:
+    """Mark the job running unless it already ended or was cancelled."""
+    [claim] = await claim_many(redis, [job_id], worker_id)
+    return claim
+
+
+async def claim_many(redis: aioredis.Redis, job_ids: list[str], worker_id: str) -> list[Claim]:
+    """``claim_for_run`` for several jobs in one round trip."""
+    if not job_ids:
+        return []
+    pipe = redis.pipeline(transaction=False)
+    for job_id in job_ids:
+        pipe.eval(_CLAIM_LUA, 2, keys.job_hash(job_id), keys.job_events(job_id), worker_id)
+    return [Claim(str(before), int(next_id)) for before, next_id in await pipe.execute()]
 
 
 async def request_cancel(redis: aioredis.Redis, job_id: str, *, ttl_s: int = keys.JOB_TTL_S) -> str:
@@ -161,7 +171,8 @@ async def request_cancel(redis: aioredis.Redis, job_id: str, *, ttl_s: int = key
     from tidegate.protocol import now_ms
 
     return await redis.eval(_CANCEL_LUA, 2, keys.job_hash(job_id), keys.job_events(job_id),
-                            keys.job_channel(job_id), ttl_s, now_ms())
+                            keys.job_live_channel(job_id), ttl_s, now_ms(), keys.CANCEL_CHANNEL,
+                            job_id, keys.EVENTS_MAXLEN)
 
 
 async def cancel_requested(redis: aioredis.Redis, job_ids: list[str]) -> set[str]:

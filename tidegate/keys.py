@@ -8,6 +8,7 @@ lane can be split across slots.
 from __future__ import annotations
 
 import re
+import zlib
 
 PREFIX = "tidegate"
 
@@ -42,13 +43,37 @@ def job_hash(job_id: str) -> str:
 
 
 def job_events(job_id: str) -> str:
-    """Stream of every event the job emitted, in order, for replay to late clients."""
+    """Stream of every event the job emitted, in order, for replay to late clients; the
+    entry id of event N is ``N-0`` (``tidegate.event_log``)."""
     return f"{PREFIX}:job:{{{job_id}}}:events"
 
 
-def job_channel(job_id: str) -> str:
-    """Pub/sub channel carrying the job's events live."""
-    return f"{PREFIX}:job:{{{job_id}}}:live"
+# Live events travel on a few shared channels, not one per job: a worker publishes one message
+# per channel per write (every job of a step whose id hashes there), and a gateway subscribes the
+# channels of the jobs it watches. A fixed number, so every process agrees without a setting;
+# each channel has its own hash tag, ready for sharded pub/sub on a Redis Cluster.
+LIVE_SHARDS = 16
+
+
+def live_shard(job_id: str) -> int:
+    """Which live channel carries this job's events (stable across processes and versions)."""
+    return zlib.crc32(job_id.encode()) % LIVE_SHARDS
+
+
+def live_channel(shard: int) -> str:
+    """Pub/sub channel carrying, live, the events of every job whose id hashes to ``shard``."""
+    return f"{PREFIX}:live:{{s{shard}}}"
+
+
+def job_live_channel(job_id: str) -> str:
+    """The live channel of this job's shard."""
+    return live_channel(live_shard(job_id))
+
+
+# Cancel requests for running jobs are pushed to every worker on this channel (the job id is
+# the message); workers also sweep their jobs' cancel flags, for requests sent while they were
+# not subscribed.
+CANCEL_CHANNEL = f"{PREFIX}:cancel"
 
 
 def worker_heartbeat(worker_id: str) -> str:

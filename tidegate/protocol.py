@@ -7,6 +7,7 @@ increasing ``id`` and the type's fields. Unknown fields in anything submitted ar
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Literal
@@ -212,10 +213,13 @@ class TopLogprob(_Strict):
 
 
 class TokenEvent(_Event):
+    """One or more tokens generated in a row: a worker writes the tokens a job generated since
+    its last write as one event (one token per event for jobs that asked for logprobs)."""
+
     type: Literal["token"] = "token"
-    index: int = Field(ge=0, description="position among generated tokens")
-    text: str = Field(description="text this token completes; may be empty mid-character")
-    token_ids: list[int]
+    index: int = Field(ge=0, description="position of its first token among generated tokens")
+    text: str = Field(description="text these tokens complete; may be empty mid-character")
+    token_ids: list[int] = Field(min_length=1)
     logprob: float | None = Field(
         default=None, description="the chosen token's logprob, when the job asked for logprobs"
     )
@@ -262,6 +266,18 @@ class RestartedEvent(_Event):
 
     type: Literal["restarted"] = "restarted"
     attempt: int = Field(ge=2, description="delivery number of this run")
+
+
+_json_string = json.encoder.encode_basestring  # C; keeps non-ASCII as is, as pydantic does
+
+
+def token_event_json(event_id: int, job_id: str, index: int, text: str,
+                     token_ids: list[int]) -> str:
+    """A ``token`` event's JSON without building a model (a worker writes thousands a step):
+    the document ``TokenEvent(...).model_dump_json(exclude_none=True)`` gives."""
+    ids = ",".join(map(str, token_ids))
+    return (f'{{"id":{event_id},"job_id":"{job_id}","type":"token","index":{index},'
+            f'"text":{_json_string(text)},"token_ids":[{ids}]}}')
 
 
 Event = Annotated[

@@ -184,6 +184,13 @@ class Engine:
         if request_id in self._seqs:
             self._aborted.setdefault(request_id, reason)
 
+    def reset_stats(self) -> None:
+        """Zero the counters (after a warm-up that must not show in the metrics)."""
+        for name in EngineStats.__dataclass_fields__:
+            setattr(self.stats, name, 0)
+        self.scheduler.prefix_query_tokens = self.scheduler.prefix_hit_tokens = 0
+        self.blocks.stats.queried_tokens = self.blocks.stats.hit_tokens = 0
+
     def has_unfinished(self) -> bool:
         return bool(self._seqs) or self._inflight is not None
 

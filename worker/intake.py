@@ -112,11 +112,14 @@ class StreamIntake:
                 break
             reply = await self.redis.xautoclaim(stream, keys.CONSUMER_GROUP, self.consumer,
                                                 min_idle_ms, "0-0", count=count - len(got))
-            for message_id, fields in reply[1]:
-                if fields is None:
-                    continue  # deleted from the stream while pending
-                info = await self.redis.xpending_range(stream, keys.CONSUMER_GROUP,
-                                                       message_id, message_id, 1)
+            entries = [(mid, fields) for mid, fields in reply[1]
+                       if fields is not None]  # None: deleted from the stream while pending
+            if not entries:
+                continue
+            pipe = self.redis.pipeline(transaction=False)
+            for message_id, _ in entries:
+                pipe.xpending_range(stream, keys.CONSUMER_GROUP, message_id, message_id, 1)
+            for (message_id, fields), info in zip(entries, await pipe.execute(), strict=True):
                 attempt = info[0]["times_delivered"] if info else 2
                 got.append(replace(parse_entry(stream, message_id, fields), attempt=attempt))
         return got

@@ -1,21 +1,31 @@
-"""Token publishing: engine outputs become wire events, one Redis pipeline per step.
+"""Event publishing beside the engine: outputs are recorded per job, and a writer task turns
+whatever accumulated into one ``EventBatch`` and writes it while the engine computes the next
+step.
 
-Each event is XADDed to the job's event stream and PUBLISHed on its channel; a finished job's
-result is stored in its hash in the same pipeline, and only after that pipeline has executed is
-the job acknowledged on its lane stream (at-least-once: never ack what isn't stored). A step's
-events get their ids once, when prepared, so a batch that failed on a Redis outage is sent again
-unchanged; followers drop ids they have already seen.
+The main loop only records (``record``: a few list appends per token); the writer takes a
+snapshot, assigns event ids, encodes the events and writes them with ``tidegate.event_log``
+(one script call: events stored, results stored, events published, finished jobs acked). While
+one write is in flight the next steps' outputs accumulate, so under load a job's tokens of
+several steps leave as one ``token`` event (``interval_s`` sets a minimum time between writes).
+A write that fails (Redis down) is retried unchanged, ids included, until it succeeds; Redis
+refuses an event id it already stores, so nothing is stored twice. ``healthy`` is clear
+meanwhile, and the worker stops stepping until it is set again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from tidegate import keys
-from tidegate.jobstore import JOB_FIELD, add_event, last_event_id, set_status
+from tidegate.event_log import EventBatch, EventLog
 from tidegate.protocol import (
     DoneEvent,
     ErrorEvent,
@@ -29,101 +39,277 @@ from tidegate.protocol import (
     TopLogprob,
     Usage,
     now_ms,
+    token_event_json,
 )
 from worker.engine import RequestOutput
-from worker.intake import Delivery, StreamIntake
+from worker.intake import Delivery
 from worker.metrics import OUTCOMES, WorkerMetrics, outcome_of_finish
+from worker.sampler import TokenLogprobs
+
+log = logging.getLogger("tidegate.worker")
+
+RETRY_S = 0.5
+STALL_S = 1.0  # a write in flight this long (Redis unreachable, client retrying) holds the engine
 
 
 @dataclass(slots=True)
 class ActiveJob:
-    """What the worker tracks for a job the engine is running."""
+    """A job the engine is running, and what of it is not written yet."""
 
     job: Job
     delivery: Delivery
     next_event_id: int
     prompt_tokens: int
     started_ms: int
+    restart_attempt: int | None = None  # announce ``restarted`` first (another worker died)
     first_token_ms: int | None = None
     last_token_ms: int | None = None
+    announced: bool = False  # ``started`` went into a batch
+    # Tokens since the last snapshot: their ids, texts and (jobs asking for them) logprobs.
+    index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    end: RequestOutput | None = None  # the output that finished it
+    end_ms: int = 0
 
     def take_id(self) -> int:
         self.next_event_id += 1
         return self.next_event_id - 1
 
 
-@dataclass(slots=True)
-class StepBatch:
-    """One step's writes, ids assigned: safe to execute again after a failure."""
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """The one event of a job that will not run (error, rejection, cancelled before start)."""
 
-    events: list[tuple[str, str]] = field(default_factory=list)  # (job id, event JSON)
-    statuses: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
-    finished: list[ActiveJob] = field(default_factory=list)
+    delivery: Delivery
+    job_id: str | None  # None: nothing to tell anyone (a malformed entry without an id)
+    kind: str
+    raw: str
+    event_id: int
+    fields: dict[str, str]
+    outcome: str | None  # the metrics' outcome label; None: nothing ended (a duplicate)
 
 
 class EventPublisher:
     def __init__(
-        self, redis: aioredis.Redis, intake: StreamIntake, worker_id: str,
-        *, ttl_s: int = keys.JOB_TTL_S, metrics: WorkerMetrics | None = None,
+        self, redis: aioredis.Redis, worker_id: str, *, ttl_s: int = keys.JOB_TTL_S,
+        metrics: WorkerMetrics | None = None, interval_s: float = 0.0,
+        on_finished: Callable[[ActiveJob], None] = lambda job: None,
     ) -> None:
-        self.redis = redis
-        self.intake = intake
+        self.log = EventLog(redis, ttl_s=ttl_s)
         self.worker_id = worker_id
-        self.ttl_s = ttl_s
         self.metrics = metrics or WorkerMetrics()
+        self.interval_s = interval_s
+        self.on_finished = on_finished  # a finished job's result is stored and acked
+        self.healthy = asyncio.Event()  # the last write succeeded
+        self.healthy.set()
+        self.writes = 0
+        self._write_since: float | None = None  # monotonic start of the write in flight
+        self._dirty: dict[str, ActiveJob] = {}  # jobs with something unwritten, in order
+        self._endings: list[Ending] = []
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # nothing unwritten, nothing in flight
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
 
-    async def start(
-        self, job: Job, delivery: Delivery, prompt_tokens: int, *, restarted: bool
-    ) -> ActiveJob:
-        """Publish ``started`` (after ``restarted`` for a job taken over from a dead worker)."""
-        active = ActiveJob(job, delivery, await last_event_id(self.redis, job.id) + 1,
-                           prompt_tokens, now_ms())
-        batch = StepBatch()
-        if restarted:
-            batch.events.append((job.id, RestartedEvent(
-                id=active.take_id(), job_id=job.id, attempt=max(delivery.attempt, 2),
-            ).model_dump_json()))
-        batch.events.append((job.id, StartedEvent(
-            id=active.take_id(), job_id=job.id, worker=self.worker_id, prompt_tokens=prompt_tokens,
-        ).model_dump_json()))
-        await self.flush(batch)
-        return active
+    # ------------------------------------------------------------------ from the main loop
 
-    def prepare_step(self, outputs: list[RequestOutput], active: dict[str, ActiveJob]) -> StepBatch:
-        batch = StepBatch()
+    def announce(self, job: ActiveJob) -> None:
+        """``started`` (after ``restarted`` for a job taken over from a dead worker)."""
+        self._mark(job)
+
+    def record(self, outputs: list[RequestOutput], active: dict[str, ActiveJob]) -> None:
+        """Note one step's outputs; the writer sends them with whatever else accumulated."""
+        if not outputs:
+            return
         stamp = now_ms()
+        gaps: dict[int, int] = {}
+        dirty = self._dirty
         for out in outputs:
             job = active[out.request_id]
             if out.token_id is not None:
-                job.first_token_ms = job.first_token_ms or stamp
-                if job.last_token_ms is not None:
-                    self.metrics.inter_token.observe((stamp - job.last_token_ms) / 1000)
+                if not job.token_ids:
+                    job.index = out.index
+                job.token_ids.append(out.token_id)
+                job.texts.append(out.text)
+                if out.logprobs is not None:
+                    job.logprobs.append(out.logprobs)
+                if job.last_token_ms is None:
+                    job.first_token_ms = stamp
+                else:
+                    gap = stamp - job.last_token_ms
+                    gaps[gap] = gaps.get(gap, 0) + 1
                 job.last_token_ms = stamp
-                batch.events.append((job.job.id, self._token(job, out)))
             if out.finish_reason is not None:
-                self._finish(batch, job, out, stamp)
-        return batch
+                job.end, job.end_ms = out, stamp
+            dirty[out.request_id] = job
+        for gap, count in gaps.items():
+            self.metrics.inter_token.observe(gap / 1000, count)
+        self._wake_writer()
 
-    async def flush(self, batch: StepBatch) -> None:
-        """Write the batch's events and results, then ack its finished jobs."""
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id, status, fields in batch.statuses:
-            set_status(pipe, job_id, status, **fields)
-        for job_id, raw in batch.events:
-            add_event(pipe, job_id, raw, ttl_s=self.ttl_s)
-        await pipe.execute()
-        await self.intake.ack([job.delivery for job in batch.finished])
+    def fail(self, delivery: Delivery, next_event_id: int, *, code: str, message: str,
+             rejected: bool = False) -> None:
+        """End a job that will not run (``error`` or ``rejected``); acked once written."""
+        job_id = delivery.job.id if delivery.job else delivery.job_id
+        outcome = code if code in OUTCOMES else "error"
+        if job_id is None:
+            self._end(Ending(delivery, None, "", "", 0, {}, outcome))
+            return
+        if rejected:
+            event: RejectedEvent | ErrorEvent = RejectedEvent(
+                id=next_event_id, job_id=job_id, reason=code, message=message)
+        else:
+            event = ErrorEvent(id=next_event_id, job_id=job_id, code=code, message=message)
+        fields = {"status": "rejected" if rejected else "error",
+                  "error": json.dumps({"code": code, "message": message})}
+        self._end(Ending(delivery, job_id, event.type, event.model_dump_json(), next_event_id,
+                         fields, outcome))
 
-    def _token(self, job: ActiveJob, out: RequestOutput) -> str:
-        token = TokenEvent(id=job.take_id(), job_id=job.job.id, index=out.index, text=out.text,
-                           token_ids=[out.token_id] if out.token_id is not None else [])
-        if out.logprobs is not None:
-            token.logprob = out.logprobs.logprob
-            token.top_logprobs = [TopLogprob(token_id=t, logprob=lp) for t, lp in out.logprobs.top]
-        # Logprob fields appear only on jobs that asked for them.
-        return token.model_dump_json(exclude_none=True)
+    def ack_only(self, delivery: Delivery) -> None:
+        """Ack an entry that needs no event (a second delivery of a job running here)."""
+        self._end(Ending(delivery, None, "", "", 0, {}, None))
 
-    def _finish(self, batch: StepBatch, job: ActiveJob, out: RequestOutput, stamp: int) -> None:
+    def cancelled_before_start(self, delivery: Delivery, next_event_id: int) -> None:
+        """A job whose cancel was requested before this worker could run it."""
+        assert delivery.job is not None
+        job = delivery.job
+        waited = float(now_ms() - job.created_ms)
+        timings = Timings(queue_ms=waited, ttft_ms=waited, total_ms=waited, decode_tokens_per_s=0)
+        usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        done = DoneEvent(id=next_event_id, job_id=job.id, finish_reason="cancelled", text="",
+                         usage=usage, timings=timings)
+        result = {"text": "", "finish_reason": "cancelled", "usage": usage.model_dump(),
+                  "timings": timings.model_dump()}
+        self._end(Ending(delivery, job.id, "done", done.model_dump_json(), next_event_id,
+                         {"status": "done", "result": json.dumps(result)}, "cancelled"))
+
+    @property
+    def stalled(self) -> bool:
+        """The last write failed, or one has been in flight for over ``STALL_S``."""
+        since = self._write_since
+        return not self.healthy.is_set() or (since is not None
+                                             and time.monotonic() - since > STALL_S)
+
+    @property
+    def unwritten(self) -> int:
+        """Jobs (and endings) with something not yet written."""
+        return len(self._dirty) + len(self._endings)
+
+    # ------------------------------------------------------------------ the writer
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="event-writer")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def flush(self) -> None:
+        """Until everything recorded so far is written (retrying through an outage)."""
+        self._wake_writer()
+        await self._idle.wait()
+
+    async def _run(self) -> None:
+        last = 0.0
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self.interval_s:
+                await asyncio.sleep(max(0.0, last + self.interval_s - time.monotonic()))
+            batch, finished = self._snapshot()
+            if batch:
+                await self._write(batch)
+                self.writes += 1
+                last = time.monotonic()
+                for job in finished:
+                    self.on_finished(job)
+            if not self._dirty and not self._endings:
+                self._idle.set()
+
+    async def _write(self, batch: EventBatch) -> None:
+        self._write_since = time.monotonic()
+        try:
+            while True:
+                try:
+                    await self.log.write(batch)
+                    self.healthy.set()
+                    return
+                except RedisError as exc:
+                    if self.healthy.is_set():
+                        log.warning("redis unavailable (%s); holding %d events", exc,
+                                    batch.events)
+                    self.healthy.clear()
+                    await asyncio.sleep(RETRY_S)
+        finally:
+            self._write_since = None
+
+    def _mark(self, job: ActiveJob) -> None:
+        self._dirty[job.job.id] = job
+        self._wake_writer()
+
+    def _end(self, ending: Ending) -> None:
+        self._endings.append(ending)
+        self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        self._idle.clear()
+        self._wake.set()
+
+    def _snapshot(self) -> tuple[EventBatch, list[ActiveJob]]:
+        """Everything unwritten as one batch, ids assigned: safe to write again after a failure."""
+        batch, finished = EventBatch(), []
+        dirty, self._dirty = self._dirty, {}
+        for job in dirty.values():
+            self._job_events(batch, job)
+            if job.end is not None:
+                self._finish(batch, job)
+                finished.append(job)
+        endings, self._endings = self._endings, []
+        for ending in endings:
+            if ending.job_id is not None:
+                batch.set_fields(ending.job_id, ending.fields)
+                batch.add_event(ending.job_id, ending.event_id, ending.kind, ending.raw)
+                batch.refresh_ttl(ending.job_id)
+            batch.ack(ending.delivery.stream, ending.delivery.message_id)
+            if ending.outcome is not None:
+                self.metrics.outcome(ending.outcome)
+        return batch, finished
+
+    def _job_events(self, batch: EventBatch, job: ActiveJob) -> None:
+        job_id = job.job.id
+        if not job.announced:
+            job.announced = True
+            if job.restart_attempt is not None:
+                raw = RestartedEvent(id=job.next_event_id, job_id=job_id,
+                                     attempt=job.restart_attempt).model_dump_json()
+                batch.add_event(job_id, job.take_id(), "restarted", raw)
+            raw = StartedEvent(id=job.next_event_id, job_id=job_id, worker=self.worker_id,
+                               prompt_tokens=job.prompt_tokens).model_dump_json()
+            batch.add_event(job_id, job.take_id(), "started", raw)
+            batch.refresh_ttl(job_id)
+        if not job.token_ids:
+            return
+        if job.logprobs:  # one event per token: each carries its own logprobs
+            for i, (token, text, lp) in enumerate(zip(job.token_ids, job.texts, job.logprobs,
+                                                      strict=True)):
+                event = TokenEvent(
+                    id=job.next_event_id, job_id=job_id, index=job.index + i, text=text,
+                    token_ids=[token], logprob=lp.logprob,
+                    top_logprobs=[TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+                batch.add_event(job_id, job.take_id(), "token",
+                                event.model_dump_json(exclude_none=True))
+        else:
+            event_id = job.take_id()
+            batch.add_event(job_id, event_id, "token", token_event_json(
+                event_id, job_id, job.index, "".join(job.texts), job.token_ids))
+        job.token_ids, job.texts, job.logprobs = [], [], []
+
+    def _finish(self, batch: EventBatch, job: ActiveJob) -> None:
+        out, stamp = job.end, job.end_ms
+        assert out is not None
         created = job.job.created_ms
         first = job.first_token_ms or stamp
         decode_s = (stamp - first) / 1000
@@ -137,13 +323,14 @@ class EventPublisher:
                       completion_tokens=out.num_output_tokens,
                       total_tokens=out.num_prompt_tokens + out.num_output_tokens)
         reason: FinishReason = out.finish_reason or "stop"
-        done = DoneEvent(id=job.take_id(), job_id=job.job.id, finish_reason=reason,
+        done = DoneEvent(id=job.next_event_id, job_id=job.job.id, finish_reason=reason,
                          text=out.output_text, usage=usage, timings=timings)
         result = {"text": out.output_text, "finish_reason": reason,
                   "usage": usage.model_dump(), "timings": timings.model_dump()}
-        batch.statuses.append((job.job.id, "done", {"result": json.dumps(result)}))
-        batch.events.append((job.job.id, done.model_dump_json()))
-        batch.finished.append(job)
+        batch.set_fields(job.job.id, {"status": "done", "result": json.dumps(result)})
+        batch.add_event(job.job.id, job.take_id(), "done", done.model_dump_json())
+        batch.refresh_ttl(job.job.id)
+        batch.ack(job.delivery.stream, job.delivery.message_id)
         m = self.metrics
         m.queue_wait.observe(timings.queue_ms / 1000)
         m.ttft.observe(timings.ttft_ms / 1000)
@@ -151,52 +338,3 @@ class EventPublisher:
         m.prompt_tokens.inc(usage.prompt_tokens)
         m.generation_tokens.inc(usage.completion_tokens)
         m.outcome(outcome_of_finish(reason))
-
-    # ------------------------------------------------------------------ jobs that never run
-
-    async def fail(
-        self, delivery: Delivery, *, code: str, message: str, rejected: bool = False
-    ) -> None:
-        """End a job that will not run (``error`` or ``rejected``), then ack it."""
-        job_id = delivery.job.id if delivery.job else delivery.job_id
-        if job_id is not None:
-            event_id = await last_event_id(self.redis, job_id) + 1
-            if rejected:
-                event = RejectedEvent(id=event_id, job_id=job_id, reason=code, message=message)
-            else:
-                event = ErrorEvent(id=event_id, job_id=job_id, code=code, message=message)
-            pipe = self.redis.pipeline(transaction=False)
-            set_status(pipe, job_id, "rejected" if rejected else "error",
-                       error=json.dumps({"code": code, "message": message}))
-            pipe.expire(keys.job_hash(job_id), self.ttl_s)
-            add_event(pipe, job_id, event.model_dump_json(), ttl_s=self.ttl_s)
-            await pipe.execute()
-        await self.intake.ack([delivery])
-        self.metrics.outcome(code if code in OUTCOMES else "error")
-
-    async def cancelled_before_start(self, delivery: Delivery) -> None:
-        """A job whose cancel was requested before this worker could run it."""
-        assert delivery.job is not None
-        job = delivery.job
-        waited = float(now_ms() - job.created_ms)
-        timings = Timings(queue_ms=waited, ttft_ms=waited, total_ms=waited, decode_tokens_per_s=0)
-        usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
-        done = DoneEvent(id=await last_event_id(self.redis, job.id) + 1, job_id=job.id,
-                         finish_reason="cancelled", text="", usage=usage, timings=timings)
-        result = {"text": "", "finish_reason": "cancelled", "usage": usage.model_dump(),
-                  "timings": timings.model_dump()}
-        batch = StepBatch(events=[(job.id, done.model_dump_json())],
-                          statuses=[(job.id, "done", {"result": json.dumps(result)})])
-        await self.flush(batch)
-        await self.intake.ack([delivery])
-        self.metrics.outcome("cancelled")
-
-    async def dead_letter(self, delivery: Delivery, *, lane: str, last_error: str) -> None:
-        """Move a job that keeps failing to the lane's dead-letter stream and end it."""
-        raw = delivery.job.model_dump_json() if delivery.job else ""
-        await self.redis.xadd(keys.dead_letter_stream(lane), {
-            JOB_FIELD: raw, "job_id": delivery.job_id or "", "attempts": str(delivery.attempt),
-            "error": last_error, "stream": delivery.stream, "message_id": delivery.message_id,
-        }, maxlen=keys.LANE_MAXLEN, approximate=True)
-        await self.fail(delivery, code="dead_lettered",
-                        message=f"gave up after {delivery.attempt - 1} attempts: {last_error}")

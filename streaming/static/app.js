@@ -178,7 +178,8 @@
         break;
       case "token":
         appendOutput(typeof f.text === "string" ? f.text : "");
-        j.tokens += 1;
+        // An event carries the tokens generated since the worker's last write: one or more.
+        j.tokens += Array.isArray(f.token_ids) ? f.token_ids.length : 1;
         el.tokenCount.textContent = String(j.tokens);
         if (el.status.dataset.state !== "running") setStatus("running");
         break;

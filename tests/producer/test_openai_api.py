@@ -18,7 +18,8 @@ from producer.admission import Admission
 from tests.conftest import RedisServer
 from tests.producer.conftest import MODEL, serve_stack
 from tidegate import keys
-from tidegate.jobstore import JOB_FIELD, add_event, set_status
+from tidegate.event_log import add_event
+from tidegate.jobstore import JOB_FIELD, set_status
 from tidegate.protocol import (
     DoneEvent,
     ErrorEvent,
@@ -514,7 +515,7 @@ async def test_a_client_that_leaves_stops_following_and_cancels_the_job(
             request.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await request
-    channel = keys.job_channel(job_id)
+    channel = keys.job_live_channel(job_id)
     for _ in range(100):
         [(_, subscribers)] = await aredis.pubsub_numsub(channel)
         if subscribers == 0 and await aredis.hget(keys.job_hash(job_id), "status") == "done":

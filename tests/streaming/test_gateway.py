@@ -19,7 +19,8 @@ from streaming.gateway import create_app
 from tests.asgi_server import serve, server_errors
 from tests.conftest import RedisServer
 from tidegate import keys
-from tidegate.jobstore import add_event, enqueue
+from tidegate.event_log import add_event
+from tidegate.jobstore import enqueue
 from tidegate.protocol import DoneEvent, JobRequest, StartedEvent, Timings, TokenEvent, Usage
 from tidegate.settings import Settings
 
@@ -115,7 +116,9 @@ def ids(frames: list[str]) -> list[int]:
 
 
 async def subscribers(redis: aioredis.Redis, job_id: str) -> int:
-    return dict(await redis.pubsub_numsub(keys.job_channel(job_id)))[keys.job_channel(job_id)]
+    """Subscribers of the live channel carrying this job's events."""
+    channel = keys.job_live_channel(job_id)
+    return dict(await redis.pubsub_numsub(channel))[channel]
 
 
 async def until_subscribers(redis: aioredis.Redis, job_id: str, n: int) -> None:

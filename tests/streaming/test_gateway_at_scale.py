@@ -51,8 +51,12 @@ def gateway(gateway_http: str, redis_url: str) -> str:
     return gateway_http.replace("http://", "ws://")
 
 
-async def new_job(redis: aioredis.Redis) -> str:
-    job = JobRequest(prompt="hello").to_job(default_timeout_s=60)
+async def new_job(redis: aioredis.Redis, *, shard: int | None = None) -> str:
+    """A queued job; with ``shard``, one whose events travel on that live channel."""
+    while True:
+        job = JobRequest(prompt="hello").to_job(default_timeout_s=60)
+        if shard is None or keys.live_shard(job.id) == shard:
+            break
     await enqueue(redis, job)
     return job.id
 
@@ -66,7 +70,9 @@ async def pubsub_clients(redis: aioredis.Redis) -> int:
 
 async def test_every_watcher_of_every_job_shares_one_pubsub_connection(
         gateway: str, aredis: aioredis.Redis) -> None:
-    jobs = [await new_job(aredis) for _ in range(5)]
+    # Jobs on five live channels, and a sixth sharing the first one's channel.
+    jobs = [await new_job(aredis, shard=shard) for shard in range(5)]
+    jobs.append(await new_job(aredis, shard=0))
     # All at once: the first watchers of different jobs subscribe concurrently.
     opened = await asyncio.gather(*(ws_connect(stream_url(gateway, job)).__aenter__()
                                     for job in jobs for _ in range(6)))
@@ -83,15 +89,20 @@ async def test_every_watcher_of_every_job_shares_one_pubsub_connection(
             assert ids([await ws.recv()]) == [2]
         assert time.perf_counter() - started < 0.5
     assert sorted(await aredis.pubsub_channels()) == sorted(
-        f"tidegate:job:{{{job}}}:live" for job in jobs)
-    # The first job's watchers leave: only its channel is unsubscribed.
+        f"tidegate:live:{{s{shard}}}" for shard in range(5))
+    # The first job's watchers leave: its channel stays (the sixth job needs it).
     for ws in clients[jobs[0]]:
         await ws.close()
+    await asyncio.sleep(0.2)
+    assert all([await subscribers(aredis, job) == 1 for job in jobs])
+    # Then the second's: its channel, which no other watched job needs, is unsubscribed.
+    for ws in clients[jobs[1]]:
+        await ws.close()
     async with asyncio.timeout(5):
-        while await subscribers(aredis, jobs[0]):
+        while await subscribers(aredis, jobs[1]):
             await asyncio.sleep(0.01)
-    assert all([await subscribers(aredis, job) == 1 for job in jobs[1:]])
-    for job in jobs[1:]:
+    assert all([await subscribers(aredis, job) == 1 for job in jobs[2:]])
+    for job in jobs[2:]:
         await publish(aredis, job, job_events(job, 3)[1:])
         for ws in clients[job]:
             frames, code = await read_all(ws)

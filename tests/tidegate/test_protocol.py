@@ -18,6 +18,7 @@ from tidegate.protocol import (
     TopLogprob,
     is_final,
     parse_event,
+    token_event_json,
 )
 
 
@@ -125,8 +126,19 @@ def test_events_parse_by_type_and_final_types() -> None:
 
 
 def test_all_keys_of_a_job_share_one_hash_tag() -> None:
-    tags = {k.split("{")[1].split("}")[0] for k in
-            (keys.job_hash("abc"), keys.job_events("abc"), keys.job_channel("abc"))}
+    tags = {k.split("{")[1].split("}")[0] for k in (keys.job_hash("abc"), keys.job_events("abc"))}
     assert tags == {"abc"}
+    # Live events share a few channels, each with its own tag (sharded pub/sub), by a stable hash.
+    shards = {keys.live_shard(f"job{i}") for i in range(1000)}
+    assert shards == set(range(keys.LIVE_SHARDS))
+    assert keys.live_shard("abc") == 2 and keys.job_live_channel("abc") == "tidegate:live:{s2}"
     assert keys.lane_stream("batch", 0) != keys.lane_stream("batch", 1)
     assert keys.is_valid_job_id("a-b_c") and not keys.is_valid_job_id("a b") and not keys.is_valid_job_id("")
+
+
+@pytest.mark.parametrize("text", ["Pa", "", 'é"\\\n\x01\u2028 😀', "\t<tab> and </script>"])
+def test_the_workers_token_encoder_writes_what_the_model_would(text: str) -> None:
+    fast = token_event_json(7, "job-1_x", 4, text, [11, 12, 13])
+    model = TokenEvent(id=7, job_id="job-1_x", index=4, text=text, token_ids=[11, 12, 13])
+    assert fast == model.model_dump_json(exclude_none=True)
+    assert parse_event(fast) == model

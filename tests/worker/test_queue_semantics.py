@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 import redis.asyncio as aioredis
 
+from tests.conftest import RedisServer
 from tidegate import keys
 from tidegate.event_feed import follow, stored_events
 from tidegate.jobstore import enqueue, read_result, request_cancel
@@ -190,10 +191,10 @@ async def test_interactive_lane_is_served_before_batch(r: aioredis.Redis, worker
     for job_id in batch + inter:
         await events_of(r, job_id)
     started = {}
-    for job_id in batch + inter:
-        stored = await r.xrange(keys.job_events(job_id))
-        sid = next(sid for sid, f in stored if '"started"' in f["e"])
-        started[job_id] = tuple(int(x) for x in sid.split("-"))
+    for job_id in batch + inter:  # when each started: created + time in the queue
+        result = await read_result(r, job_id)
+        assert result is not None and result.timings is not None and result.created_ms
+        started[job_id] = result.created_ms + result.timings.queue_ms
     first_batch = min(started[j] for j in batch)
     assert all(started[j] < first_batch for j in inter)
 
@@ -263,3 +264,37 @@ async def test_sigterm_drains_and_loses_nothing(r: aioredis.Redis, workers: Work
         events = await events_of(r, job_id)
         assert events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == 1800
     assert (await r.xpending(keys.lane_stream("interactive"), keys.CONSUMER_GROUP))["pending"] == 0
+
+
+async def test_redis_killed_mid_run_every_event_lands_exactly_once(
+        redis_server: RedisServer, workers: Workers) -> None:
+    """Redis dies under a busy worker and comes back from its AOF: the worker holds its engine,
+    re-sends what it could not write (same ids), and every job's stream is exact."""
+    workers.start(max_num_seqs=4, visibility_timeout_s=30)
+    r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        await wait_for_workers(r, 1)
+        jobs = [await submit(r, **{**LONG, "max_tokens": 500}) for _ in range(4)]
+        for job_id in jobs:
+            await wait_started(r, job_id)
+    finally:
+        await r.aclose()
+    redis_server.kill()
+    await asyncio.sleep(2)
+    redis_server.start()
+    r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        for job_id in jobs:
+            events = await events_of(r, job_id)
+            assert [e["id"] for e in events] == list(range(1, len(events) + 1))
+            assert types(events)[:2] == ["queued", "started"] and "restarted" not in types(events)
+            done = events[-1]
+            assert done["type"] == "done" and done["usage"]["completion_tokens"] == 500
+            tokens = [e for e in events if e["type"] == "token"]
+            assert sum(len(e["token_ids"]) for e in tokens) == 500
+            assert "".join(e["text"] for e in tokens) == done["text"]
+            assert (await read_result(r, job_id)).text == done["text"]
+        pending = await r.xpending(keys.lane_stream("interactive"), keys.CONSUMER_GROUP)
+        assert pending["pending"] == 0
+    finally:
+        await r.aclose()

@@ -62,9 +62,12 @@ async def test_jobs_stream_tokens_store_results_and_are_acked(
         assert [e["id"] for e in events] == list(range(1, len(events) + 1))
         tokens = [e for e in events if e["type"] == "token"]
         done = events[-1]
-        assert done["type"] == "done" and len(tokens) == done["usage"]["completion_tokens"]
+        generated = [t for e in tokens for t in e["token_ids"]]
+        assert done["type"] == "done" and len(generated) == done["usage"]["completion_tokens"]
         assert "".join(t["text"] for t in tokens) == done["text"]
-        assert [t["index"] for t in tokens] == list(range(len(tokens)))
+        # An event carries the tokens generated since the worker's last write, in order.
+        starts = [0] + [len(e["token_ids"]) for e in tokens[:-1]]
+        assert [t["index"] for t in tokens] == [sum(starts[: k + 1]) for k in range(len(tokens))]
         result = await read_result(aredis, job_id)
         assert result is not None and result.status == "done" and result.text == done["text"]
         assert result.usage.completion_tokens <= 5 + i
@@ -116,6 +119,7 @@ async def test_logprobs_reach_token_events_only_when_asked(
     without = await submit(aredis, prompt="abc", max_tokens=3)
     tokens = [e for e in await collect(aredis, with_lp) if e["type"] == "token"]
     assert tokens and all(len(t["top_logprobs"]) == 3 and t["logprob"] <= 0 for t in tokens)
+    assert [t["index"] for t in tokens] == [0, 1, 2]  # one token per event: each its logprobs
     assert all(t["top_logprobs"][0]["logprob"] >= t["top_logprobs"][1]["logprob"] for t in tokens)
     plain = [e for e in await collect(aredis, without) if e["type"] == "token"]
     assert plain and all("logprob" not in t and "top_logprobs" not in t for t in plain)

@@ -1,0 +1,188 @@
+"""How job events are stored and published: one script call writes a whole batch.
+
+Storage: every event of job J is an entry of J's event stream (``keys.job_events``) whose entry
+id is ``<event id>-0`` and whose one field ``e`` holds the event's JSON. Redis refuses an entry
+id at or below the stream's newest, so writing an event twice (a batch re-sent after a Redis
+outage, a late write of a worker that was replaced) stores it once; readers resume with a range
+read from ``<last id + 1>-0``.
+
+Live: events are published on ``keys.LIVE_SHARDS`` shared channels (``keys.live_channel``), one
+message per channel per batch. A message is lines joined by ``\\n``, one event per line:
+``<job id> <event id> <type> <event JSON>`` (compact JSON holds no raw newline, and job ids no
+space), so a subscriber routes an event without parsing its JSON.
+
+``EventBatch`` collects one write: events, job-hash fields (status, result, error), acks of
+lane-stream entries. ``EventLog.write`` runs it as one script: the events are stored, then the
+hashes updated, then the new events published (stream before channel: followers treat the
+stream as the truth), then the entries acked (never ack what is not stored). A script touches
+keys of many jobs, which a single Redis (or fakeredis) allows and a Redis Cluster does not:
+there a batch would be split by slot (one call per job, or per node as a pipeline).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from tidegate import keys
+
+EVENT_FIELD = "e"  # the one field of an event stream entry: the event's JSON
+
+_HOLE = "\x00"
+# Key names are built in the script from these parts, taken from keys.py's own functions.
+_HASH_PREFIX, _HASH_SUFFIX = keys.job_hash(_HOLE).split(_HOLE)
+_EVENTS_SUFFIX = keys.job_events(_HOLE).split(_HOLE)[1]
+
+# ARGV: hash prefix, hash suffix, events suffix, ttl_s, events maxlen, consumer group, statuses,
+# expires, acks, then (channel, message) pairs.
+#   statuses: lines "job\tfield\tvalue[\tfield\tvalue...]" (values are JSON or plain words: no
+#             tab, no newline); each hash also gets its TTL again.
+#   expires:  job ids, space-separated, whose event streams get their TTL again.
+#   acks:     lines "stream\tentry id".
+#   messages: live lines; each line's event is stored first, and only the events stored by
+#             this call (not duplicates) are published.
+# Returns the number of events already stored (skipped).
+_WRITE_LUA = """
+local hp, hs, es, ttl, maxlen, group = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local dup = 0
+for line in string.gmatch(ARGV[7], '[^\\n]+') do
+  local f = {}
+  for part in string.gmatch(line, '[^\\t]+') do f[#f + 1] = part end
+  local key = hp .. f[1] .. hs
+  redis.call('HSET', key, unpack(f, 2))
+  redis.call('EXPIRE', key, ttl)
+end
+for i = 10, #ARGV, 2 do
+  local fresh, all = {}, true
+  for line in string.gmatch(ARGV[i + 1], '[^\\n]+') do
+    local job, id, raw = string.match(line, '^(%S+) (%d+) %S+ (.*)$')
+    local ok = redis.pcall('XADD', hp .. job .. es, 'MAXLEN', '~', maxlen, id .. '-0', 'e', raw)
+    if type(ok) == 'table' and ok.err then
+      dup = dup + 1
+      all = false
+    else
+      fresh[#fresh + 1] = line
+    end
+  end
+  if all then
+    redis.call('PUBLISH', ARGV[i], ARGV[i + 1])
+  elseif #fresh > 0 then
+    redis.call('PUBLISH', ARGV[i], table.concat(fresh, '\\n'))
+  end
+end
+for job in string.gmatch(ARGV[8], '%S+') do
+  redis.call('EXPIRE', hp .. job .. es, ttl)
+end
+for line in string.gmatch(ARGV[9], '[^\\n]+') do
+  local stream, id = string.match(line, '^([^\\t]+)\\t(.+)$')
+  redis.pcall('XACK', stream, group, id)
+end
+return dup
+"""
+
+
+def entry_id(event_id: int) -> str:
+    """The stream entry id that stores event ``event_id``."""
+    return f"{event_id}-0"
+
+
+def live_line(job_id: str, event_id: int, kind: str, raw: str) -> str:
+    return f"{job_id} {event_id} {kind} {raw}"
+
+
+def parse_live(message: str) -> Iterator[tuple[str, int, str, str]]:
+    """(job id, event id, type, event JSON) of each line of a live message."""
+    for line in message.split("\n"):
+        parts = line.split(" ", 3)
+        if len(parts) == 4 and parts[1].isdecimal():
+            yield parts[0], int(parts[1]), parts[2], parts[3]
+
+
+@dataclass(slots=True)
+class EventBatch:
+    """One write's events, job-hash fields and acks, in the order they were added per job."""
+
+    lines: dict[int, list[str]] = field(default_factory=dict)  # shard -> live lines
+    statuses: list[str] = field(default_factory=list)
+    expires: list[str] = field(default_factory=list)
+    acks: list[str] = field(default_factory=list)
+    events: int = 0
+
+    def add_event(self, job_id: str, event_id: int, kind: str, raw: str) -> None:
+        shard = keys.live_shard(job_id)
+        lines = self.lines.get(shard)
+        if lines is None:
+            lines = self.lines[shard] = []
+        lines.append(f"{job_id} {event_id} {kind} {raw}")
+        self.events += 1
+
+    def set_fields(self, job_id: str, fields: dict[str, str]) -> None:
+        """HSET on the job's hash (values must hold no tab or newline: JSON or plain words)."""
+        parts = [job_id]
+        for name, value in fields.items():
+            if not value or "\t" in value or "\n" in value:
+                raise ValueError(f"job field {name!r} must be non-empty, without tab or newline")
+            parts += (name, value)
+        self.statuses.append("\t".join(parts))
+
+    def refresh_ttl(self, job_id: str) -> None:
+        """Give the job's event stream its full TTL again (at start and at the end of a run)."""
+        self.expires.append(job_id)
+
+    def ack(self, stream: str, message_id: str) -> None:
+        self.acks.append(f"{stream}\t{message_id}")
+
+    def __bool__(self) -> bool:
+        return bool(self.events or self.statuses or self.expires or self.acks)
+
+
+class EventLog:
+    """Writes ``EventBatch``es through one registered script."""
+
+    def __init__(self, redis: aioredis.Redis, *, ttl_s: int = keys.JOB_TTL_S,
+                 maxlen: int = keys.EVENTS_MAXLEN):
+        self.redis = redis
+        self.ttl_s = ttl_s
+        self.maxlen = maxlen
+        self._script = redis.register_script(_WRITE_LUA)
+
+    async def write(self, batch: EventBatch) -> int:
+        """Store and publish the batch; returns how many of its events were stored already."""
+        args: list[str | int] = [_HASH_PREFIX, _HASH_SUFFIX, _EVENTS_SUFFIX, self.ttl_s,
+                                 self.maxlen, keys.CONSUMER_GROUP, "\n".join(batch.statuses),
+                                 " ".join(batch.expires), "\n".join(batch.acks)]
+        for shard, lines in batch.lines.items():
+            args += (keys.live_channel(shard), "\n".join(lines))
+        return int(await self._script(args=args))
+
+
+def add_event(pipe: aioredis.client.Pipeline, job_id: str, raw: str, *,
+              ttl_s: int = keys.JOB_TTL_S) -> None:
+    """Queue one event on a pipeline as the script would write it: stored under its id, then
+    published on its live channel (tests and tools; the worker writes batches)."""
+    event = json.loads(raw)
+    pipe.xadd(keys.job_events(job_id), {EVENT_FIELD: raw}, id=entry_id(int(event["id"])),
+              maxlen=keys.EVENTS_MAXLEN, approximate=True)
+    pipe.expire(keys.job_events(job_id), ttl_s)
+    pipe.publish(keys.job_live_channel(job_id), live_line(job_id, int(event["id"]),
+                                                          event["type"], raw))
+
+
+async def write_events(redis: aioredis.Redis, events: list[str], *,
+                       ttl_s: int = keys.JOB_TTL_S) -> int:
+    """Store and publish event JSONs (``id``, ``type`` and ``job_id`` read from each), in order:
+    for writers outside the worker's hot path (tests, tools, rare events)."""
+    batch = EventBatch()
+    for raw in events:
+        event = json.loads(raw)
+        batch.add_event(event["job_id"], int(event["id"]), event["type"], raw)
+    return await EventLog(redis, ttl_s=ttl_s).write(batch)
+
+
+async def last_event_id(redis: aioredis.Redis, job_id: str) -> int:
+    """The id of the job's newest stored event (0 if none), to continue the sequence."""
+    newest = await redis.xrevrange(keys.job_events(job_id), count=1)
+    return int(newest[0][0].split("-", 1)[0]) if newest else 0
