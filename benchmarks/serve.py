@@ -55,7 +55,7 @@ from benchmarks.serving.loadgen import (  # noqa: E402
     shard,
 )
 from benchmarks.serving.metrics import RunSummary, Slo, job_details, summarize  # noqa: E402
-from benchmarks.serving.stack import Stack, StackConfig, run_engine_alone  # noqa: E402
+from benchmarks.serving.stack import Stack, StackConfig, StackError, run_engine_alone  # noqa: E402
 from benchmarks.serving.workload import Work, build_work, poisson_offsets  # noqa: E402
 
 SECTIONS = ("capacity", "burst", "rates")
@@ -345,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"interrupted; logs in {logdir}", file=sys.stderr)
         return 130
+    except (StackError, RuntimeError) as exc:
+        print(f"serve.py: {exc}\nlogs in {logdir}", file=sys.stderr)
+        return 1
     runs: list[RunSummary] = out["runs"]
     out["exact"] = all(s.exact for s in runs) and out["capacity"].get("follow", {}).get(
         "exact", True)

@@ -49,7 +49,12 @@ class Trace:
             self.problems.append(what)
 
     def on_event(self, raw: str | bytes, now: float) -> None:
-        event = json.loads(raw)
+        try:
+            self._on_event(json.loads(raw), raw, now)
+        except (ValueError, KeyError, TypeError) as exc:
+            self.problem(f"malformed event ({exc!r}): {str(raw)[:120]}")
+
+    def _on_event(self, event: dict, raw: str | bytes, now: float) -> None:
         self.events += 1
         kind, event_id = event.get("type"), event.get("id")
         if event_id is None:  # a protocol frame (an error before a 44xx close), not an event

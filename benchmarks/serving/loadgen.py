@@ -124,11 +124,17 @@ class Generator:
                     rec.trace = Trace()
                     rec.t_final = await self.follow(rec, rec.trace)
         except TimeoutError:
-            if rec.trace is not None:
-                rec.trace.problem(f"no final event within {self.plan.job_timeout_s:.0f} s")
-            else:
-                rec.submit_error = "the submit timed out"
+            self._failed(rec, f"no final event within {self.plan.job_timeout_s:.0f} s")
+        except Exception as exc:  # one job's surprise must not end the whole run unrecorded
+            self._failed(rec, f"client error: {exc!r}")
         return rec
+
+    @staticmethod
+    def _failed(rec: JobRecord, why: str) -> None:
+        if rec.trace is not None:
+            rec.trace.problem(why)
+        elif rec.job_id is None:
+            rec.submit_error = why
 
     async def submit(self, spec: JobSpec, rec: JobRecord) -> bool:
         rec.t_sent = time.monotonic()

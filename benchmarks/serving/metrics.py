@@ -6,6 +6,8 @@ Per job (times on the generator's monotonic clock, latencies in ms):
 * ITL: each gap between consecutive token events of a job (an event may carry several tokens:
   ``tokens_per_event`` says how many on average);
 * E2E: submit written -> final event received.
+The offered load of a Poisson run is its nominal rate x the mean output length; a finite
+sample's arrivals come to ``arrival_rate``, a few percent off the nominal one.
 Latencies come from followed jobs only (polled ones are counted by their stored result).
 Per run: duration is first submit -> last final event; throughputs divide by it; output tokens
 are every token delivered by a ``done`` job; goodput counts jobs that finished complete (``done``,
@@ -22,6 +24,7 @@ import numpy as np
 from benchmarks.serving.loadgen import JobRecord, LoadResult
 
 MAX_EXAMPLES = 5
+GENERATOR_BUSY = 0.8  # a generator process above this share of a core may be the limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,7 @@ class RunSummary:
     kind: str  # "burst" | "rate"
     label: str
     request_rate: float | None  # offered requests/s (None: burst)
+    arrival_rate: float | None  # what this sample of arrivals came to: (jobs - 1) / last arrival
     jobs: int
     followed: dict[str, int]  # jobs per follow mode
     completed: int  # done with exactly their output length
@@ -179,6 +183,9 @@ def _stream_problem(rec: JobRecord, result: dict) -> str | None:
                f"{usage.get('completion_tokens')}"
     if trace.final.get("usage") != usage:
         return "the done event's usage != stored usage"
+    if trace.started_prompt_tokens != usage.get("prompt_tokens"):
+        return f"started.prompt_tokens {trace.started_prompt_tokens} != usage.prompt_tokens " \
+               f"{usage.get('prompt_tokens')}"
     return None
 
 
@@ -214,7 +221,8 @@ def summarize(kind: str, label: str, rate: float | None, load: LoadResult,
     rejected = len(recs) - len(accepted) + sum(final_status(r) == "rejected" for r in accepted)
     in_time = [r for r in complete if _within_deadline(r, slo)]
     summary = RunSummary(
-        kind=kind, label=label, request_rate=rate, jobs=len(recs),
+        kind=kind, label=label, request_rate=rate, arrival_rate=_arrival_rate(recs),
+        jobs=len(recs),
         followed=_count_modes(recs), completed=len(complete),
         failed=len(accepted) - len(complete) - sum(final_status(r) == "rejected"
                                                    for r in accepted),
@@ -239,6 +247,9 @@ def summarize(kind: str, label: str, rate: float | None, load: LoadResult,
         resumes=sum(r.trace.resumes for r in followed),  # type: ignore[union-attr]
         generator=generator_use(load), stack_cpu_share=stack_shares(load),
     )
+    if summary.generator["busiest_process_share"] > GENERATOR_BUSY:
+        summary.notes.append("a generator process was busy most of the run: it may have been "
+                             "the limit (use more --client-procs)")
     refused = [r for r in recs if r.job_id is None]
     if refused and not slo.deadline_given:
         summary.failure_examples += [f"job {r.index}: submit refused ({r.submit_status}): "
@@ -248,6 +259,11 @@ def summarize(kind: str, label: str, rate: float | None, load: LoadResult,
         summary.offered_output_tok_s = round(offered, 1)
         summary.delivered_share = round(summary.output_tok_s / offered, 3)
     return summary
+
+
+def _arrival_rate(recs: list[JobRecord]) -> float | None:
+    span = max(r.t_scheduled for r in recs) - min(r.t_scheduled for r in recs)
+    return round((len(recs) - 1) / span, 3) if span > 0 else None
 
 
 def _duration(recs: list[JobRecord]) -> float:

@@ -49,7 +49,11 @@ def run_details(s: RunSummary) -> str:
              f"{_num(s.submit_lag_ms.p99, '.1f')} ms; stack CPU: {stack}"]
     if s.offered_output_tok_s is not None:
         lines.append(f"  offered {s.offered_output_tok_s:.0f} out tok/s, delivered "
-                     f"{s.delivered_share:.0%}")
+                     f"{s.delivered_share:.0%} (arrivals came to {s.arrival_rate} req/s)")
+    if s.engine_alone_tok_s is not None:
+        lines.append(f"  engine alone {s.engine_alone_tok_s:.0f} out tok/s: the stack delivers "
+                     f"{s.ratio_to_engine_alone:.2f}x; same text as the engine alone: "
+                     f"{s.same_text_as_engine_alone:.0%} of jobs")
     if s.slo_goodput_jobs_s is not None:
         lines.append(f"  SLO goodput {s.slo_goodput_jobs_s:.2f} jobs/s")
     lines += [f"  not exact: {e}" for e in s.failure_examples]
