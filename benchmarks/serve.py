@@ -59,6 +59,8 @@ from benchmarks.serving.stack import Stack, StackConfig, StackError, run_engine_
 from benchmarks.serving.workload import Work, build_work, poisson_offsets  # noqa: E402
 
 SECTIONS = ("capacity", "burst", "rates")
+WARM_UP, WARM_UP_JOBS = "warm-up", 4
+WARM_UP_MODES = ("ws", "sse")
 NO_DEADLINE_S = 600.0  # generous: without --deadline-s nothing should be shed
 # (normal, --quick) defaults of the options left unset
 DEFAULTS = {"burst": (200, 20), "rates": ([], [10.0]), "num_prompts": (200, 20),
@@ -199,9 +201,16 @@ def resolve(args: argparse.Namespace) -> Bench:
 # ---------------------------------------------------------------- workloads
 
 
-def plan_work(bench: Bench) -> list[tuple[str, float | None, Work]]:
-    """(name, request rate or None for the burst, jobs) of each run; prompts are distinct
-    everywhere (each run has its own seed), so no run hits the prefix cache of another."""
+@dataclass(frozen=True, slots=True)
+class Run:
+    name: str
+    rate: float | None  # requests/s of a Poisson run; None: all at once
+    work: Work
+
+
+def plan_work(bench: Bench) -> list[Run]:
+    """The warm-up, the burst and each rate's jobs. Prompts are distinct everywhere (each run
+    has its own seed), so no run hits the prefix cache of another."""
     from tidegate.model_source import resolve_model
     from tidegate.tokenizer import load_tokenizer
 
@@ -211,33 +220,51 @@ def plan_work(bench: Bench) -> list[tuple[str, float | None, Work]]:
     def encode(text: str) -> list[int]:
         return tokenizer.encode_prompt(text, None)  # as the worker counts a prompt
 
-    spans = ((tuple(a.input_range), tuple(a.output_range)) if a.length_dist == "uniform"
-             else (None, None))
-    runs: list[tuple[str, float | None, list[float]]] = []
+    def work(offsets: list[float], seed: int, **lengths: object) -> Work:
+        spans = ((tuple(a.input_range), tuple(a.output_range)) if a.length_dist == "uniform"
+                 else (None, None))
+        shape = {"input_len": a.input_len, "output_len": a.output_len, "input_span": spans[0],
+                 "output_span": spans[1], **lengths}
+        return build_work(encode, offsets, seed=seed, **shape)  # type: ignore[arg-type]
+
+    runs = [Run(WARM_UP, None, work([0.0] * WARM_UP_JOBS, a.seed * 1000 + 999,
+                                         input_len=16, output_len=4, input_span=None,
+                                         output_span=None))]
     if "burst" in bench.sections:
-        runs.append(("burst", None, [0.0] * a.burst))
+        runs.append(Run("burst", None, work([0.0] * a.burst, a.seed * 1000)))
     for k, rate in enumerate(a.rates if "rates" in bench.sections else []):
-        rng = random.Random(a.seed * 1000 + k + 1)
-        runs.append((f"rate {rate:g}/s", rate, poisson_offsets(
-            rate, rng, count=None if a.duration_s else a.num_prompts, duration_s=a.duration_s)))
-    return [(name, rate, build_work(encode, offsets, input_len=a.input_len,
-                                    output_len=a.output_len, input_span=spans[0],
-                                    output_span=spans[1], seed=a.seed * 1000 + 500 + k))
-            for k, (name, rate, offsets) in enumerate(runs)]
+        count = None if a.duration_s else a.num_prompts
+        offsets = poisson_offsets(rate, random.Random(a.seed * 1000 + k + 1), count=count,
+                                  duration_s=a.duration_s)
+        runs.append(Run(f"rate {rate:g}/s", rate, work(offsets, a.seed * 1000 + 500 + k)))
+    return runs
 
 
-def run_work(bench: Bench, stack: Stack, endpoints: Endpoints, name: str, work: Work,
-             rate: float | None) -> tuple[RunSummary, LoadResult]:
-    a = bench.args
+def run_work(bench: Bench, stack: Stack, endpoints: Endpoints, run: Run
+             ) -> tuple[RunSummary, LoadResult]:
+    a, work = bench.args, run.work
     jobs = [JobSpec(i, work.body(i, timeout_s=bench.timeout_s), work.prompts[i].tokens,
-                    work.output_lens[i], work.offsets_s[i], bench.follow_mode(i))
+                    work.output_lens[i], work.offsets_s[i],
+                    WARM_UP_MODES[i % 2] if run.name == WARM_UP else bench.follow_mode(i))
             for i in range(len(work))]
     # A job may queue behind the whole run: allow its deadline plus the run's arrivals.
     job_timeout_s = bench.timeout_s + max(work.offsets_s) + 60
     plans = [ClientPlan(endpoints, part, a.submit_concurrency, job_timeout_s)
              for part in shard(jobs, a.client_procs)]
     load = run_load(plans, stack.cpu, stack.check_alive)
-    return summarize("burst" if rate is None else "rate", name, rate, load, bench.slo), load
+    kind = "rate" if run.rate is not None else run.name
+    return summarize(kind, run.name, run.rate, load, bench.slo), load
+
+
+def warm_up(bench: Bench, stack: Stack, endpoints: Endpoints, run: Run) -> RunSummary:
+    """A few short jobs through every path (submit, WebSocket, SSE, the worker) before anything
+    is measured: first connections and first requests cost the servers extra. They must be
+    exact, or nothing else is worth measuring."""
+    summary, _ = run_work(bench, stack, endpoints, run)
+    if not summary.exact or summary.completed != len(run.work):
+        raise RuntimeError("the warm-up jobs failed: " + "; ".join(summary.failure_examples))
+    wait_drained(stack)
+    return summary
 
 
 def attach_engine_alone(summary: RunSummary, alone: dict, load: LoadResult) -> None:
@@ -255,15 +282,15 @@ def attach_engine_alone(summary: RunSummary, alone: dict, load: LoadResult) -> N
 
 def run(bench: Bench, logdir: Path) -> dict:
     a = bench.args
-    works = plan_work(bench)
+    warm, *runs = plan_work(bench)
     out: dict = {"command": " ".join(sys.argv), "machine": machine(), "logdir": str(logdir),
                  "config": dict(vars(a)), "sections": bench.sections,
-                 "prompts": {name: prompt_stats(w) for name, _, w in works},
+                 "prompts": {r.name: prompt_stats(r.work) for r in runs},
                  "capacity": {}, "runs": []}
     alone = None
-    if works and works[0][0] == "burst" and not a.no_engine_alone:
-        print(f"engine alone: {len(works[0][2])} requests ...", flush=True)
-        alone = run_engine_alone(bench.stack, works[0][2], bench.timeout_s, logdir)
+    if runs and runs[0].name == "burst" and not a.no_engine_alone:
+        print(f"engine alone: {len(runs[0].work)} requests ...", flush=True)
+        alone = run_engine_alone(bench.stack, runs[0].work, bench.timeout_s, logdir)
         out["engine_alone"] = {k: v for k, v in alone.items() if k != "texts"}
     with Stack(bench.stack, logdir) as stack:
         stack.start_front()
@@ -272,17 +299,18 @@ def run(bench: Bench, logdir: Path) -> dict:
             out["capacity"] = run_capacity(bench, stack, endpoints)
             print(report.capacity_lines(out["capacity"]), flush=True)
             stack.flush()  # the probes must never reach a worker
-        if {"burst", "rates"} & set(bench.sections):
+        if runs:
             print(f"starting {a.workers} worker(s) ...", flush=True)
             stack.start_workers()
-        for name, rate, work in works:
-            print(f"{name}: {len(work)} jobs ...", flush=True)
-            summary, load = run_work(bench, stack, endpoints, name, work, rate)
-            if rate is None and alone is not None:
+            out["warm_up"] = warm_up(bench, stack, endpoints, warm)
+        for run in runs:
+            print(f"{run.name}: {len(run.work)} jobs ...", flush=True)
+            summary, load = run_work(bench, stack, endpoints, run)
+            if run.name == "burst" and alone is not None:
                 attach_engine_alone(summary, alone, load)
             out["runs"].append(summary)
             if a.save_detailed:
-                out.setdefault("jobs", {})[name] = job_details(load)
+                out.setdefault("jobs", {})[run.name] = job_details(load)
             print(report.table([summary]).splitlines()[2], flush=True)
             wait_drained(stack)
     return out

@@ -34,6 +34,7 @@ class Trace:
 
     last_id: int = 0
     events: int = 0
+    first_event_at: float | None = None  # the replayed ``queued``: the follower is attached
     finals: int = 0
     final: dict | None = None  # the final event
     tokens: int = 0  # sum of len(token_ids) over token events
@@ -56,6 +57,8 @@ class Trace:
 
     def _on_event(self, event: dict, raw: str | bytes, now: float) -> None:
         self.events += 1
+        if self.first_event_at is None:
+            self.first_event_at = now
         kind, event_id = event.get("type"), event.get("id")
         if event_id is None:  # a protocol frame (an error before a 44xx close), not an event
             self.problem(f"frame without an id: {str(raw)[:120]}")

@@ -26,7 +26,7 @@ from benchmarks.serving.http import HttpError, Pool
 
 FINAL_STATUSES = frozenset({"done", "error", "rejected"})
 POLL_EVERY_S = 0.2
-RESULT_FETCH_TIMEOUT_S = 60.0
+FETCH_TIMEOUT_S = 60.0  # one GET /v1/jobs/{id}, queue for a pool slot included
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +170,8 @@ class Generator:
         so this costs about one GET per job)."""
         deadline = time.monotonic() + self.plan.job_timeout_s
         for rec in records:
-            while await self.fetch(rec) not in FINAL_STATUSES and time.monotonic() < deadline:
+            while (await self.fetch_within(rec, FETCH_TIMEOUT_S) not in FINAL_STATUSES
+                   and time.monotonic() < deadline):
                 await asyncio.sleep(POLL_EVERY_S)
             if rec.result is not None and (timings := rec.result.get("timings")):
                 # The server's stamp of the final event, on this process's monotonic clock.
@@ -188,11 +189,18 @@ class Generator:
                       else {"status": None, "fetch_error": f"HTTP {answer.status}"})
         return rec.result.get("status")
 
+    async def fetch_within(self, rec: JobRecord, timeout_s: float) -> str | None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self.fetch(rec)
+        except TimeoutError:
+            rec.result = {"status": None, "fetch_error": f"no answer within {timeout_s:.0f} s"}
+            return None
+
     async def collect(self, records: list[JobRecord]) -> None:
         """Stored results of the followed jobs, for the exactness checks."""
         followed = [r for r in records if r.trace is not None and r.job_id]
-        async with asyncio.timeout(RESULT_FETCH_TIMEOUT_S):
-            await asyncio.gather(*(self.fetch(r) for r in followed))
+        await asyncio.gather(*(self.fetch_within(r, FETCH_TIMEOUT_S) for r in followed))
 
 
 # ---------------------------------------------------------------- processes

@@ -77,6 +77,7 @@ class RunSummary:
     e2e_ms: Dist
     tokens_per_event: float | None
     submit_ms: Dist  # submit written -> its 202
+    attach_ms: Dist  # 202 -> the follower's first event (connected, replay begun)
     submit_lag_ms: Dist  # scheduled arrival -> submit written (the generator keeping up)
     goodput_jobs_s: float
     slo_goodput_jobs_s: float | None
@@ -236,6 +237,8 @@ def summarize(kind: str, label: str, rate: float | None, load: LoadResult,
         e2e_ms=_ms(e2e_s(r) for r in followed if final_status(r) == "done"),
         tokens_per_event=_tokens_per_event(followed),
         submit_ms=_ms(r.t_accepted - r.t_sent for r in recs if r.t_accepted is not None),
+        attach_ms=_ms(r.trace.first_event_at - r.t_accepted for r in followed  # type: ignore[union-attr]
+                      if r.trace.first_event_at and r.t_accepted),  # type: ignore[union-attr]
         submit_lag_ms=_ms(r.t_sent - r.t_scheduled for r in recs if r.t_sent),
         goodput_jobs_s=round(len(in_time) / duration, 3),
         slo_goodput_jobs_s=_slo_goodput(in_time, slo, duration),
@@ -337,6 +340,7 @@ def job_details(load: LoadResult) -> list[dict[str, object]]:
             "e2e_ms": _round_ms(e2e_s(r)),
             "itl_ms": [round(1000 * g, 3) for g in np.diff(t.token_times)] if t else None,
             "tokens_per_event": t.token_counts if t else None,
+            "server_timings": (r.result or {}).get("timings"),  # from enqueue, server clock
             "problems": t.problems if t else [], "resumes": t.resumes if t else 0})
     return rows
 

@@ -44,6 +44,8 @@ def run_details(s: RunSummary) -> str:
     lines = [f"{s.label}: {s.duration_s:.2f} s, {s.request_throughput:.2f} req/s, "
              f"{s.output_tok_s:.0f} out tok/s, {s.total_tok_s:.0f} total tok/s, "
              f"{s.tokens_per_event} tokens/event, failed {s.failed}, rejected {s.rejected}",
+             f"  submit p50/p99 {_pair(s.submit_ms)} ms, follower attached p50/p99 "
+             f"{_pair(s.attach_ms)} ms after the 202",
              f"  generator: {gen['processes']:.0f} proc(s), {gen['cores']:.2f} cores "
              f"(busiest {gen['busiest_process_share']:.0%}); submit lag p99 "
              f"{_num(s.submit_lag_ms.p99, '.1f')} ms; stack CPU: {stack}"]
