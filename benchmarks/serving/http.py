@@ -33,6 +33,7 @@ class Response:
     status: int
     headers: dict[str, str]
     body: bytes
+    sent_at: float  # time.monotonic() when the request was written (after any pool wait)
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -94,11 +95,12 @@ class Connection:
 
     async def request(self, method: str, path: str, body: bytes = b"",
                       headers: Mapping[str, str] | None = None) -> Response:
+        sent_at = time.monotonic()
         self.send(method, path, body, headers)
         status, head = await self.read_head()
         payload = await self.read_body(head)
         self.last_used = time.monotonic()
-        return Response(status, head, payload)
+        return Response(status, head, payload, sent_at)
 
     @property
     def reusable(self) -> bool:

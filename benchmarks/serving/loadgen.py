@@ -19,6 +19,10 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Event as EventType
 from queue import Empty
 
 from benchmarks.serving.follow import Trace, follow_sse, follow_ws
@@ -70,7 +74,7 @@ class JobRecord:
     input_len: int
     output_len: int
     t_scheduled: float
-    t_sent: float = 0.0  # the submit request was written
+    t_sent: float = 0.0  # the submit request was written (its connection was free)
     t_accepted: float | None = None  # its answer arrived
     t_final: float | None = None  # the final event arrived (polled: the server's stamp)
     submit_status: int = 0  # HTTP status of the submit; 0: no answer
@@ -143,6 +147,7 @@ class Generator:
         except (OSError, HttpError, asyncio.IncompleteReadError) as exc:
             rec.submit_error = f"{type(exc).__name__}: {exc}"
             return False
+        rec.t_sent = answer.sent_at  # past the wait for a pool connection
         rec.t_accepted, rec.submit_status = time.monotonic(), answer.status
         if answer.status != 202:
             rec.submit_error = answer.body[:200].decode(errors="replace")
@@ -212,7 +217,18 @@ def raise_file_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def client_process(index: int, plan: ClientPlan, ready, go, collect, start, out) -> None:  # noqa: ANN001 - multiprocessing primitives
+@dataclass(frozen=True, slots=True)
+class Signals:
+    """What a generator process shares with the benchmark (``multiprocessing`` primitives)."""
+
+    ready: EventType  # set by the process: imported, about to wait for ``go``
+    go: EventType  # set by the benchmark once every process is ready; ``start`` is set
+    collect: EventType  # every process is done measuring: read the stored results now
+    start: Synchronized  # the common start, time.monotonic()
+    out: Queue  # ("measured", index, cpu_s, wall_s), then ("records", index, records)
+
+
+def client_process(index: int, plan: ClientPlan, signals: Signals) -> None:
     """A generator process (spawned): its share of the jobs, results back through ``out``."""
     raise_file_limit()
     try:
@@ -221,23 +237,22 @@ def client_process(index: int, plan: ClientPlan, ready, go, collect, start, out)
         run = uvloop.run
     except ImportError:
         run = asyncio.run
-    run(_client(index, plan, ready, go, collect, start, out))
+    run(_client(index, plan, signals))
 
 
-async def _client(index: int, plan: ClientPlan, ready, go, collect, start, out) -> None:  # noqa: ANN001
+async def _client(index: int, plan: ClientPlan, signals: Signals) -> None:
     generator = Generator(plan)
-    parent = os.getppid()
-    watchdog = asyncio.create_task(_exit_when_orphaned(parent))
-    ready.set()
-    await asyncio.to_thread(go.wait)
+    watchdog = asyncio.create_task(_exit_when_orphaned(os.getppid()))
+    signals.ready.set()
+    await asyncio.to_thread(signals.go.wait)
     cpu0, wall0 = time.process_time(), time.monotonic()
-    records = await generator.run(start.value)
-    out.put(("measured", index, time.process_time() - cpu0, time.monotonic() - wall0))
-    await asyncio.to_thread(collect.wait)
+    records = await generator.run(signals.start.value)
+    signals.out.put(("measured", index, time.process_time() - cpu0, time.monotonic() - wall0))
+    await asyncio.to_thread(signals.collect.wait)
     await generator.collect(records)
     generator.api.close()
     watchdog.cancel()
-    out.put(("records", index, records))
+    signals.out.put(("records", index, records))
 
 
 async def _exit_when_orphaned(parent: int) -> None:
@@ -251,26 +266,24 @@ def run_load(plans: list[ClientPlan], sample_cpu: Callable[[], dict[str, float]]
              check_stack: Callable[[], None]) -> LoadResult:
     """Run the plans in one process each, all starting together; the stack's CPU is sampled
     over the same window as the generator's."""
-    ctx = mp.get_context("spawn")
-    out, go, collect = ctx.Queue(), ctx.Event(), ctx.Event()
-    start = ctx.Value("d", 0.0)
-    readies = [ctx.Event() for _ in plans]
-    procs = [ctx.Process(target=client_process, daemon=True,
-                         args=(i, plan, readies[i], go, collect, start, out))
+    ctx = mp.get_context("spawn")  # a fresh interpreter: nothing of this process is copied
+    out, go, collect, start = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Value("d", 0.0)
+    signals = [Signals(ctx.Event(), go, collect, start, out) for _ in plans]
+    procs = [ctx.Process(target=client_process, args=(i, plan, signals[i]), daemon=True)
              for i, plan in enumerate(plans)]
     for p in procs:
         p.start()
     try:
-        while not all(r.wait(0.1) for r in readies):
+        while not all(s.ready.wait(0.1) for s in signals):
             _check(procs, check_stack)
         cpu0, parent0 = sample_cpu(), time.process_time()
         start.value = time.monotonic() + 0.05
         go.set()
-        measured = _gather(out, "measured", len(procs), procs, check_stack)
+        measured = _gather(out, "measured", procs, check_stack)
         wall = time.monotonic() - start.value
         cpu1, parent1 = sample_cpu(), time.process_time()
         collect.set()
-        shards = _gather(out, "records", len(procs), procs, check_stack)
+        shards = _gather(out, "records", procs, check_stack)
         for p in procs:
             p.join(30)
     finally:
@@ -283,9 +296,11 @@ def run_load(plans: list[ClientPlan], sample_cpu: Callable[[], dict[str, float]]
                       {k: cpu1[k] - cpu0[k] for k in cpu1 if k in cpu0})
 
 
-def _gather(out, kind: str, n: int, procs: list, check_stack: Callable[[], None]) -> dict:  # noqa: ANN001
+def _gather(out: Queue, kind: str, procs: list[BaseProcess],
+            check_stack: Callable[[], None]) -> dict[int, tuple]:
+    """One ``kind`` message from every process, by process index."""
     got: dict[int, tuple] = {}
-    while len(got) < n:
+    while len(got) < len(procs):
         try:
             message = out.get(timeout=0.5)
         except Empty:
@@ -296,7 +311,7 @@ def _gather(out, kind: str, n: int, procs: list, check_stack: Callable[[], None]
     return got
 
 
-def _check(procs: list, check_stack: Callable[[], None]) -> None:  # noqa: ANN001
+def _check(procs: list[BaseProcess], check_stack: Callable[[], None]) -> None:
     for p in procs:
         if p.exitcode not in (None, 0):
             raise RuntimeError(f"a load-generator process exited with {p.exitcode}")

@@ -78,7 +78,9 @@ class RunSummary:
     tokens_per_event: float | None
     submit_ms: Dist  # submit written -> its 202
     attach_ms: Dist  # 202 -> the follower's first event (connected, replay begun)
-    submit_lag_ms: Dist  # scheduled arrival -> submit written (the generator keeping up)
+    # scheduled arrival -> submit written: the generator keeping up, and in a burst the wait
+    # for one of the --submit-concurrency connections
+    submit_lag_ms: Dist
     goodput_jobs_s: float
     slo_goodput_jobs_s: float | None
     offered_output_tok_s: float | None
