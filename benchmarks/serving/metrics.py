@@ -340,6 +340,8 @@ def job_details(load: LoadResult) -> list[dict[str, object]]:
             "submit_error": r.submit_error, "status": final_status(r), "tokens": tokens_of(r),
             "ttft_ms": _round_ms(ttft_s(r)), "tpot_ms": _round_ms(tpot_s(r)),
             "e2e_ms": _round_ms(e2e_s(r)),
+            "attach_ms": _round_ms(t.first_event_at - r.t_accepted
+                                   if t and t.first_event_at and r.t_accepted else None),
             "itl_ms": [round(1000 * g, 3) for g in np.diff(t.token_times)] if t else None,
             "tokens_per_event": t.token_counts if t else None,
             "server_timings": (r.result or {}).get("timings"),  # from enqueue, server clock
