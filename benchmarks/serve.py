@@ -1,0 +1,400 @@
+"""Serving benchmark through the real stack, in the manner of ``vllm bench serve``.
+
+Starts redis-server, ``tidegate api``, ``tidegate gateway`` and ``--workers`` workers as
+separate processes, then drives them with a load generator that submits jobs over HTTP and
+follows each one over WebSocket or SSE as a real client would. Runs, in order:
+
+* capacity: how fast the generator itself can submit and follow (no worker running);
+* burst: ``--burst N`` jobs submitted at once, and the engine alone on the same prompts (a
+  subprocess before the stack starts: same model, same ``EngineConfig`` as the worker);
+* rates: a Poisson sweep, ``--rates R ...`` requests/s, each after the previous one drained.
+
+Every followed job is checked for exactness (event ids 1, 2, 3... with no gap or duplicate, one
+final event and it is last, token texts == stored text, tokens == usage == the output length).
+Prints one row per run and writes everything to ``--out`` (and ``--plot`` with matplotlib).
+
+    # this CPU machine
+    python benchmarks/serve.py --model random:tiny --max-num-seqs 256 \\
+        --max-num-batched-tokens 2048 --burst 600 --input-len 64 --output-len 64
+    python benchmarks/serve.py --model smollm2 --burst 32 --length-dist uniform \\
+        --input-range 16 256 --output-range 16 128
+    # one H200, 16 cores
+    python benchmarks/serve.py --device cuda --model random:llama-3-8b --max-num-seqs 1024 \\
+        --max-num-batched-tokens 16384 --burst 1000 --input-len 256 --output-len 256 \\
+        --rates 20 30 40 50 60 70 --num-prompts 1000 --client-procs 4
+    # a smoke test; the generator's ceiling alone
+    python benchmarks/serve.py --quick --model random:tiny
+    python benchmarks/serve.py --capacity-check
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import secrets
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's tidegate, not an installed one
+
+from benchmarks.serving import capacity, report  # noqa: E402
+from benchmarks.serving.loadgen import (  # noqa: E402
+    ClientPlan,
+    Endpoints,
+    JobSpec,
+    LoadResult,
+    raise_file_limit,
+    run_load,
+    shard,
+)
+from benchmarks.serving.metrics import RunSummary, Slo, job_details, summarize  # noqa: E402
+from benchmarks.serving.stack import Stack, StackConfig, StackError, run_engine_alone  # noqa: E402
+from benchmarks.serving.workload import Work, build_work, poisson_offsets  # noqa: E402
+
+SECTIONS = ("capacity", "burst", "rates")
+WARM_UP, WARM_UP_JOBS = "warm-up", 4
+WARM_UP_MODES = ("ws", "sse")
+NO_DEADLINE_S = 600.0  # generous: without --deadline-s nothing should be shed
+# (normal, --quick) defaults of the options left unset
+DEFAULTS = {"burst": (200, 20), "rates": ([], [10.0]), "num_prompts": (200, 20),
+            "input_len": (256, 32), "output_len": (256, 16), "capacity_submits": (2000, 200),
+            "capacity_streams": (200, 20), "capacity_stream_tokens": (256, 32)}
+
+
+@dataclass(frozen=True, slots=True)
+class Bench:
+    """The resolved options of one benchmark invocation."""
+
+    args: argparse.Namespace
+    sections: tuple[str, ...]
+    stack: StackConfig
+
+    @property
+    def timeout_s(self) -> float:
+        return self.args.deadline_s or NO_DEADLINE_S
+
+    @property
+    def slo(self) -> Slo:
+        a = self.args
+        return Slo(self.timeout_s, a.slo_ttft_ms, a.slo_tpot_ms, a.deadline_s is not None)
+
+    def follow_mode(self, i: int) -> str:
+        """Evenly spread followed jobs (``--follow-fraction``); ``mixed`` alternates ws/sse."""
+        f = self.args.follow_fraction
+        if int((i + 1) * f) == int(i * f):
+            return "poll"
+        if self.args.follow == "mixed":
+            return ("ws", "sse")[int(i * f) % 2]
+        return self.args.follow
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from tidegate.settings import Settings
+
+    worker = Settings.model_fields
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_argument_group("stack")
+    g.add_argument("--model", default="smollm2")
+    g.add_argument("--device", default="cpu", help="cpu | cuda (several workers: cuda:0, :1...)")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--max-num-seqs", type=int, default=worker["max_num_seqs"].default)
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   default=worker["max_num_batched_tokens"].default)
+    g.add_argument("--kv-cache-gb", type=float, help="default: the worker's")
+    g.add_argument("--torch-threads", type=int, help="default: the worker's (one per core)")
+    g.add_argument("--no-cuda-graphs", action="store_true")
+    g.add_argument("--workers", type=int, default=1)
+    g.add_argument("--redis-server", default="redis-server", help="the redis-server binary")
+    g.add_argument("--no-aof", action="store_true", help="Redis without AOF (default: AOF on, "
+                   "appendfsync everysec, as compose/docker-compose.yml)")
+    g.add_argument("--auth", action="store_true", help="run with a generated API key")
+    g.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for every stack process (repeatable)")
+    g.add_argument("--startup-timeout-s", type=float, default=900)
+    g = ap.add_argument_group("workload")
+    g.add_argument("--burst", type=int, help="jobs submitted at once (0: no burst run)")
+    g.add_argument("--rates", type=float, nargs="*", help="Poisson sweep, requests/s")
+    g.add_argument("--num-prompts", type=int, help="jobs per rate")
+    g.add_argument("--duration-s", type=float, help="instead of --num-prompts: arrival window")
+    g.add_argument("--input-len", type=int)
+    g.add_argument("--output-len", type=int)
+    g.add_argument("--length-dist", choices=("fixed", "uniform"), default="fixed")
+    g.add_argument("--input-range", type=int, nargs=2, metavar=("LO", "HI"))
+    g.add_argument("--output-range", type=int, nargs=2, metavar=("LO", "HI"))
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--deadline-s", type=float, help=f"each job's timeout_s (default "
+                   f"{NO_DEADLINE_S:.0f}: nothing shed)")
+    g.add_argument("--slo-ttft-ms", type=float)
+    g.add_argument("--slo-tpot-ms", type=float)
+    g = ap.add_argument_group("load generator")
+    g.add_argument("--follow", choices=("ws", "sse", "mixed"), default="ws")
+    g.add_argument("--follow-fraction", type=float, default=1.0,
+                   help="share of jobs followed; the rest are polled at the end")
+    g.add_argument("--client-procs", type=int, default=1)
+    g.add_argument("--submit-concurrency", type=int, default=64,
+                   help="keep-alive connections to the API per generator process")
+    g = ap.add_argument_group("what to run")
+    g.add_argument("--only", nargs="+", choices=SECTIONS)
+    g.add_argument("--capacity-check", action="store_true", help="= --only capacity")
+    g.add_argument("--no-engine-alone", action="store_true")
+    g.add_argument("--capacity-submits", type=int)
+    g.add_argument("--capacity-streams", type=int)
+    g.add_argument("--capacity-stream-tokens", type=int)
+    g.add_argument("--capacity-tokens-per-event", type=int, default=1)
+    g.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    g = ap.add_argument_group("output")
+    g.add_argument("--logdir", help="process logs (default: a new temp dir)")
+    g.add_argument("--out", default=str(ROOT / "benchmarks/results/serve.json"))
+    g.add_argument("--plot", default=str(ROOT / "benchmarks/results/serve.png"),
+                   help="'' for none")
+    g.add_argument("--save-detailed", action="store_true",
+                   help="per-job timings and checks in the JSON too")
+    args = ap.parse_args(argv)
+    for name, (normal, quick) in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else normal)
+    _check(ap, args)
+    return args
+
+
+def _check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.length_dist == "uniform" and not (args.input_range and args.output_range):
+        ap.error("--length-dist uniform needs --input-range and --output-range")
+    if args.length_dist == "fixed" and (args.input_range or args.output_range):
+        ap.error("--input-range/--output-range need --length-dist uniform")
+    if not 0 < args.follow_fraction <= 1:
+        ap.error("--follow-fraction must be in (0, 1]")
+    if any(r <= 0 for r in args.rates):
+        ap.error("--rates must be positive")
+    if min(args.client_procs, args.workers, args.submit_concurrency) < 1:
+        ap.error("--client-procs, --workers and --submit-concurrency must be at least 1")
+    if any("=" not in kv for kv in args.env):
+        ap.error("--env takes KEY=VALUE")
+
+
+def resolve(args: argparse.Namespace) -> Bench:
+    only = ("capacity",) if args.capacity_check else tuple(args.only or SECTIONS)
+    sections = tuple(s for s in SECTIONS if s in only
+                     and not (s == "burst" and args.burst <= 0)
+                     and not (s == "rates" and not args.rates))
+    stack = StackConfig(
+        model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gb=args.kv_cache_gb,
+        workers=args.workers, torch_threads=args.torch_threads,
+        cuda_graphs=not args.no_cuda_graphs, aof=not args.no_aof,
+        redis_server=args.redis_server,
+        api_key=secrets.token_urlsafe(24) if args.auth else None,
+        default_timeout_s=args.deadline_s or NO_DEADLINE_S,
+        startup_timeout_s=args.startup_timeout_s,
+        extra_env=dict(kv.split("=", 1) for kv in args.env))
+    return Bench(args, sections, stack)
+
+
+# ---------------------------------------------------------------- workloads
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    name: str
+    rate: float | None  # requests/s of a Poisson run; None: all at once
+    work: Work
+
+
+def plan_work(bench: Bench) -> list[Run]:
+    """The warm-up, the burst and each rate's jobs. Prompts are distinct everywhere (each run
+    has its own seed), so no run hits the prefix cache of another."""
+    from tidegate.model_source import resolve_model
+    from tidegate.tokenizer import load_tokenizer
+
+    a = bench.args
+    tokenizer = load_tokenizer(resolve_model(a.model))
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode_prompt(text, None)  # as the worker counts a prompt
+
+    def work(offsets: list[float], seed: int, **lengths: object) -> Work:
+        spans = ((tuple(a.input_range), tuple(a.output_range)) if a.length_dist == "uniform"
+                 else (None, None))
+        shape = {"input_len": a.input_len, "output_len": a.output_len, "input_span": spans[0],
+                 "output_span": spans[1], **lengths}
+        return build_work(encode, offsets, seed=seed, **shape)  # type: ignore[arg-type]
+
+    runs = [Run(WARM_UP, None, work([0.0] * WARM_UP_JOBS, a.seed * 1000 + 999,
+                                         input_len=16, output_len=4, input_span=None,
+                                         output_span=None))]
+    if "burst" in bench.sections:
+        runs.append(Run("burst", None, work([0.0] * a.burst, a.seed * 1000)))
+    for k, rate in enumerate(a.rates if "rates" in bench.sections else []):
+        count = None if a.duration_s else a.num_prompts
+        offsets = poisson_offsets(rate, random.Random(a.seed * 1000 + k + 1), count=count,
+                                  duration_s=a.duration_s)
+        runs.append(Run(f"rate {rate:g}/s", rate, work(offsets, a.seed * 1000 + 500 + k)))
+    return runs
+
+
+def run_work(bench: Bench, stack: Stack, endpoints: Endpoints, run: Run
+             ) -> tuple[RunSummary, LoadResult]:
+    a, work = bench.args, run.work
+    jobs = [JobSpec(i, work.body(i, timeout_s=bench.timeout_s), work.prompts[i].tokens,
+                    work.output_lens[i], work.offsets_s[i],
+                    WARM_UP_MODES[i % 2] if run.name == WARM_UP else bench.follow_mode(i))
+            for i in range(len(work))]
+    # A job may queue behind the whole run: allow its deadline plus the run's arrivals.
+    job_timeout_s = bench.timeout_s + max(work.offsets_s) + 60
+    plans = [ClientPlan(endpoints, part, a.submit_concurrency, job_timeout_s)
+             for part in shard(jobs, a.client_procs)]
+    load = run_load(plans, stack.cpu, stack.check_alive)
+    kind = "rate" if run.rate is not None else run.name
+    return summarize(kind, run.name, run.rate, load, bench.slo), load
+
+
+def warm_up(bench: Bench, stack: Stack, endpoints: Endpoints, run: Run) -> RunSummary:
+    """A few short jobs through every path (submit, WebSocket, SSE, the worker) before anything
+    is measured: first connections and first requests cost the servers extra. They must be
+    exact, or nothing else is worth measuring."""
+    summary, _ = run_work(bench, stack, endpoints, run)
+    if not summary.exact or summary.completed != len(run.work):
+        raise RuntimeError("the warm-up jobs failed: " + "; ".join(summary.failure_examples))
+    wait_drained(stack)
+    return summary
+
+
+def attach_engine_alone(summary: RunSummary, alone: dict, load: LoadResult) -> None:
+    """The engine alone's output tok/s beside the stack's, and how many texts are the same
+    (greedy either way; batches differ, so a near-tie may break differently)."""
+    summary.engine_alone_tok_s = alone["output_tok_s"]
+    summary.ratio_to_engine_alone = round(summary.output_tok_s / alone["output_tok_s"], 3)
+    stored = [(r.result or {}).get("text") for r in load.records]
+    same = [t == a for t, a in zip(stored, alone["texts"], strict=True) if t is not None]
+    summary.same_text_as_engine_alone = round(sum(same) / len(same), 3) if same else None
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run(bench: Bench, logdir: Path) -> dict:
+    a = bench.args
+    warm, *runs = plan_work(bench)
+    out: dict = {"command": " ".join(sys.argv), "machine": machine(), "logdir": str(logdir),
+                 "config": dict(vars(a)), "sections": bench.sections,
+                 "prompts": {r.name: prompt_stats(r.work) for r in runs},
+                 "capacity": {}, "runs": []}
+    alone = None
+    if runs and runs[0].name == "burst" and not a.no_engine_alone:
+        print(f"engine alone: {len(runs[0].work)} requests ...", flush=True)
+        alone = run_engine_alone(bench.stack, runs[0].work, bench.timeout_s, logdir)
+        out["engine_alone"] = {k: v for k, v in alone.items() if k != "texts"}
+    with Stack(bench.stack, logdir) as stack:
+        stack.start_front()
+        endpoints = Endpoints(stack.api_port, stack.gateway_port, bench.stack.api_key)
+        if "capacity" in bench.sections:
+            out["capacity"] = run_capacity(bench, stack, endpoints)
+            print(report.capacity_lines(out["capacity"]), flush=True)
+            stack.flush()  # the probes must never reach a worker
+        if runs:
+            print(f"starting {a.workers} worker(s) ...", flush=True)
+            stack.start_workers()
+            out["warm_up"] = warm_up(bench, stack, endpoints, warm)
+        for run in runs:
+            print(f"{run.name}: {len(run.work)} jobs ...", flush=True)
+            summary, load = run_work(bench, stack, endpoints, run)
+            if run.name == "burst" and alone is not None:
+                attach_engine_alone(summary, alone, load)
+            out["runs"].append(summary)
+            if a.save_detailed:
+                out.setdefault("jobs", {})[run.name] = job_details(load)
+            print(report.table([summary]).splitlines()[2], flush=True)
+            wait_drained(stack)
+    return out
+
+
+def run_capacity(bench: Bench, stack: Stack, endpoints: Endpoints) -> dict:
+    a = bench.args
+    runner = capacity.Runner(endpoints, a.client_procs, a.submit_concurrency, stack.cpu,
+                             stack.check_alive)
+    follow = ["ws", "sse"] if a.follow == "mixed" else [a.follow]
+    return {"submit": capacity.submit_capacity(runner, a.capacity_submits),
+            "follow": capacity.follow_capacity(
+                runner, stack.redis_port, streams=a.capacity_streams,
+                tokens=a.capacity_stream_tokens, tokens_per_event=a.capacity_tokens_per_event,
+                follow=follow)}
+
+
+def wait_drained(stack: Stack, timeout_s: float = 120) -> None:
+    """Until no lane has a job waiting or running (the next run starts on an idle stack)."""
+    import redis
+
+    from tidegate import keys
+
+    client = redis.Redis(port=stack.redis_port, decode_responses=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            backlog = sum(int(g.get("lag") or 0) + int(g["pending"])
+                          for stream in client.scan_iter(match=f"{keys.PREFIX}:lane:*")
+                          for g in client.xinfo_groups(stream))
+            if backlog == 0:
+                return
+            time.sleep(0.2)
+    finally:
+        client.close()
+
+
+def prompt_stats(work: Work) -> dict[str, float]:
+    ins = [p.tokens for p in work.prompts]
+    return {"jobs": len(work), "input_tokens_min": min(ins), "input_tokens_max": max(ins),
+            "input_tokens_mean": round(sum(ins) / len(ins), 2),
+            "output_len_mean": round(sum(work.output_lens) / len(work), 2)}
+
+
+def machine() -> dict[str, object]:
+    return {"cpus": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    bench = resolve(args)
+    raise_file_limit()  # the gateway and Redis inherit it: one socket per follower
+    signal.signal(signal.SIGTERM, _interrupt)
+    logdir = Path(args.logdir or tempfile.mkdtemp(prefix="tidegate-serve-"))
+    logdir.mkdir(parents=True, exist_ok=True)
+    print(f"logs: {logdir}", flush=True)
+    try:
+        out = run(bench, logdir)
+    except KeyboardInterrupt:
+        print(f"interrupted; logs in {logdir}", file=sys.stderr)
+        return 130
+    except (StackError, RuntimeError) as exc:
+        print(f"serve.py: {exc}\nlogs in {logdir}", file=sys.stderr)
+        return 1
+    runs: list[RunSummary] = out["runs"]
+    out["exact"] = all(s.exact for s in runs) and out["capacity"].get("follow", {}).get(
+        "exact", True)
+    report.write_json(Path(args.out), out)
+    print()
+    if out["capacity"]:
+        print(report.capacity_lines(out["capacity"]))
+    if runs:
+        print(report.table(runs))
+        print("\n".join(report.run_details(s) for s in runs))
+    if args.plot:
+        print(report.plot(runs, Path(args.plot)))
+    print(f"results: {args.out}")
+    return 0 if out["exact"] else 1
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+"""The serving benchmark's parts (``benchmarks/serve.py`` is the entry point).
+
+``stack`` starts and stops the real processes, ``workload`` builds prompts and arrival
+schedules, ``http`` and ``follow`` are the load generator's client side, ``loadgen`` runs it in
+several processes, ``engine_alone`` runs the engine by itself on the same work, ``capacity``
+measures the generator's own ceiling, ``metrics`` turns what the clients saw into numbers and
+``report`` prints, saves and plots them.
+"""

@@ -1,0 +1,113 @@
+"""The engine alone on the benchmark's work: what a stack worker computes, with nothing around it.
+
+serve.py runs this as a subprocess with worker 0's ``TIDEGATE_*`` environment, before any stack
+process starts (on CUDA each engine takes ~90% of the GPU's free memory for its KV cache, so
+the two must never overlap):
+
+    python -m benchmarks.serving.engine_alone SPEC.json OUT.json
+
+The model, the ``EngineConfig`` and the warm-up are built exactly as ``worker/service.py``
+``serve()`` builds them (keep the two in step); then every prompt's token ids are added at once
+with the submit's sampling (greedy, ``ignore_eos``, ``max_tokens`` = output length) and the
+engine steps until all finish. Output tok/s = generated tokens / wall time from the first add.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from benchmarks.serving.metrics import Dist
+from tidegate.protocol import SamplingParams, now_ms
+from tidegate.settings import Settings, load_settings
+from worker.cpu_tuning import keep_large_allocations
+from worker.engine import Engine, EngineConfig, EngineRequest
+from worker.load_shedder import LoadShedder, ShedderConfig
+from worker.loader import load_model
+from worker.service import calibrate
+
+
+def build_engine(settings: Settings) -> tuple[Engine, float]:
+    """The worker's engine (``serve()``'s steps, in its order) and the model's load time."""
+    keep_large_allocations()
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
+    loaded = load_model(settings.model, device=settings.device, dtype=dtype)
+    max_len = min(loaded.tokenizer.max_context, loaded.config.max_position_embeddings)
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
+        max_model_len=max_len,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
+        block_size=settings.block_size,
+        kv_cache_gb=settings.kv_cache_gb,
+        kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
+        prefix_caching=settings.prefix_caching,
+        cuda_graphs=settings.cuda_graphs,
+    ))
+    return engine, loaded.load_s
+
+
+def run(engine: Engine, prompts: list[list[int]], output_lens: list[int],
+        timeout_s: float, *, cuda: bool) -> dict[str, object]:
+    """All requests added at once, stepped to the end: throughput and per-request latencies."""
+    deadline = now_ms() + int(1000 * timeout_s)  # as the stack's jobs carry theirs
+    t0 = time.perf_counter()
+    for i, (ids, n) in enumerate(zip(prompts, output_lens, strict=True)):
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        engine.add_request(EngineRequest(f"bench-{i}", ids, params, deadline_ms=deadline))
+    first: dict[str, float] = {}
+    finished: dict[str, tuple[float, int, str, str | None]] = {}
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.token_id is not None:
+                first.setdefault(out.request_id, now)
+            if out.finish_reason is not None:
+                finished[out.request_id] = (now, out.num_output_tokens, out.output_text,
+                                            out.finish_reason)
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    ids = [f"bench-{i}" for i in range(len(prompts))]
+    tokens = sum(finished[r][1] for r in ids)
+    complete = sum(finished[r][1] == n and finished[r][3] == "length"
+                   for r, n in zip(ids, output_lens, strict=True))
+    tpot = [(finished[r][0] - first[r]) / (finished[r][1] - 1) for r in ids
+            if r in first and finished[r][1] > 1]
+    return {
+        "requests": len(prompts), "complete": complete, "output_tokens": tokens,
+        "prompt_tokens": sum(len(p) for p in prompts), "wall_s": round(wall, 3),
+        "output_tok_s": round(tokens / wall, 1),
+        "ttft_ms": asdict(Dist.of([1000 * (first[r] - t0) for r in ids if r in first])),
+        "tpot_ms": asdict(Dist.of([1000 * x for x in tpot])),
+        "texts": [finished[r][2] for r in ids],
+    }
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    settings = load_settings()
+    engine, load_s = build_engine(settings)
+    t0 = time.perf_counter()
+    calibrate(engine, LoadShedder(ShedderConfig(enabled=settings.load_shedding,
+                                                safety=settings.shedding_safety)))
+    warm_s = time.perf_counter() - t0
+    result = run(engine, spec["prompts"], spec["output_lens"], spec["timeout_s"],
+                 cuda=settings.device.startswith("cuda"))
+    result |= {"load_s": round(load_s, 2), "warmup_s": round(warm_s, 2),
+               "device": settings.device, "kv_cache": engine.kv_spec.describe(),
+               "engine_config": {k: v for k, v in asdict(engine.config).items()}}
+    Path(out_path).write_text(json.dumps(result))
+    print(f"engine alone: {result['output_tok_s']} output tok/s "
+          f"({result['output_tokens']} tokens in {result['wall_s']} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

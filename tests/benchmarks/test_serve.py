@@ -1,0 +1,61 @@
+"""benchmarks/serve.py end to end: the real stack as processes, every measured job exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_serve(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "serve.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/serve.py", "--quick", "--model", "random:tiny",
+         "--out", str(out), "--plot", "", "--logdir", str(tmp_path / "logs"), *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
+def test_quick_run_measures_every_job_exactly_beside_the_engine_alone(tmp_path: Path) -> None:
+    proc, result = run_serve(
+        tmp_path, "--burst", "20", "--rates", "10", "--num-prompts", "20",
+        "--capacity-submits", "100", "--capacity-streams", "10",
+        "--capacity-stream-tokens", "16", "--follow", "mixed")
+    assert result["exact"] is True
+    burst, rate = result["runs"]
+    assert (burst["kind"], burst["jobs"], burst["completed"]) == ("burst", 20, 20)
+    assert (rate["kind"], rate["request_rate"], rate["jobs"], rate["completed"]) == (
+        "rate", 10.0, 20, 20)
+    for run in (burst, rate):
+        assert run["exact"] and run["exact_failures"] == 0
+        assert run["failed"] == run["rejected"] == 0
+        assert run["followed"] == {"ws": 10, "sse": 10}
+        assert run["output_tokens"] == 20 * 16 and run["output_tok_s"] > 0
+        assert run["ttft_ms"]["n"] == 20 and run["tpot_ms"]["p99"] > 0
+        assert set(run["stack_cpu_share"]) == {"redis", "api", "gateway", "worker0"}
+    assert burst["engine_alone_tok_s"] > 0 and burst["ratio_to_engine_alone"] > 0
+    assert result["engine_alone"]["output_tokens"] == 20 * 16
+    assert result["prompts"]["burst"]["input_tokens_min"] == 32  # --quick's input length
+    follow = result["capacity"]["follow"]
+    assert follow["exact"] and follow["tokens"] == 10 * 16
+    assert result["capacity"]["submit"]["accepted"] == 100
+    assert "burst" in proc.stdout and "exact" in proc.stdout
+
+
+def test_polled_jobs_are_checked_from_their_stored_results(tmp_path: Path) -> None:
+    _, result = run_serve(tmp_path, "--only", "burst", "--burst", "8", "--no-engine-alone",
+                          "--follow-fraction", "0.5")
+    (burst,) = result["runs"]
+    assert result["exact"] is True and result["capacity"] == {}
+    assert burst["followed"] == {"ws": 4, "poll": 4} and burst["completed"] == 8
