@@ -105,18 +105,18 @@ def parse_live(message: str) -> Iterator[tuple[str, int, str, str]]:
 class EventBatch:
     """One write's events, job-hash fields and acks, in the order they were added per job."""
 
-    lines: dict[int, list[str]] = field(default_factory=dict)  # shard -> live lines
+    # Live lines per shard (keys.live_shard), in the order they were added.
+    lines: list[list[str]] = field(default_factory=lambda: [[] for _ in range(keys.LIVE_SHARDS)])
     statuses: list[str] = field(default_factory=list)
     expires: list[str] = field(default_factory=list)
     acks: list[str] = field(default_factory=list)
     events: int = 0
 
-    def add_event(self, job_id: str, event_id: int, kind: str, raw: str) -> None:
-        shard = keys.live_shard(job_id)
-        lines = self.lines.get(shard)
-        if lines is None:
-            lines = self.lines[shard] = []
-        lines.append(f"{job_id} {event_id} {kind} {raw}")
+    def add_event(self, job_id: str, event_id: int, kind: str, raw: str,
+                  shard: int | None = None) -> None:
+        """``shard``: the job's ``keys.live_shard``, when the caller keeps it."""
+        self.lines[keys.live_shard(job_id) if shard is None else shard].append(
+            f"{job_id} {event_id} {kind} {raw}")
         self.events += 1
 
     def set_fields(self, job_id: str, fields: dict[str, str]) -> None:
@@ -154,8 +154,9 @@ class EventLog:
         args: list[str | int] = [_HASH_PREFIX, _HASH_SUFFIX, _EVENTS_SUFFIX, self.ttl_s,
                                  self.maxlen, keys.CONSUMER_GROUP, "\n".join(batch.statuses),
                                  " ".join(batch.expires), "\n".join(batch.acks)]
-        for shard, lines in batch.lines.items():
-            args += (keys.live_channel(shard), "\n".join(lines))
+        for shard, lines in enumerate(batch.lines):
+            if lines:
+                args += (keys.live_channel(shard), "\n".join(lines))
         return int(await self._script(args=args))
 
 

@@ -159,9 +159,11 @@ async def claim_many(redis: aioredis.Redis, job_ids: list[str], worker_id: str) 
     """``claim_for_run`` for several jobs in one round trip."""
     if not job_ids:
         return []
+    script = redis.register_script(_CLAIM_LUA)  # EVALSHA: the body travels once, if at all
     pipe = redis.pipeline(transaction=False)
     for job_id in job_ids:
-        pipe.eval(_CLAIM_LUA, 2, keys.job_hash(job_id), keys.job_events(job_id), worker_id)
+        await script(keys=[keys.job_hash(job_id), keys.job_events(job_id)], args=[worker_id],
+                     client=pipe)
     return [Claim(str(before), int(next_id)) for before, next_id in await pipe.execute()]
 
 

@@ -6,7 +6,9 @@ The main loop only records (``record``: a few list appends per token); the write
 snapshot, assigns event ids, encodes the events and writes them with ``tidegate.event_log``
 (one script call: events stored, results stored, events published, finished jobs acked). While
 one write is in flight the next steps' outputs accumulate, so under load a job's tokens of
-several steps leave as one ``token`` event (``interval_s`` sets a minimum time between writes).
+several steps leave as one ``token`` event. ``interval_s`` sets a minimum time between writes,
+which coalesces more; a job's start, first token and end are written at once all the same
+(time to first token and to the result don't wait for it).
 A write that fails (Redis down) is retried unchanged, ids included, until it succeeds; Redis
 refuses an event id it already stores, so nothing is stored twice. ``healthy`` is clear
 meanwhile, and the worker stops stepping until it is set again.
@@ -15,6 +17,7 @@ meanwhile, and the worker stops stepping until it is set again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -72,6 +75,10 @@ class ActiveJob:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     end: RequestOutput | None = None  # the output that finished it
     end_ms: int = 0
+    shard: int = -1  # its live channel (keys.live_shard), once known
+
+    def __post_init__(self) -> None:
+        self.shard = keys.live_shard(self.job.id)
 
     def take_id(self) -> int:
         self.next_event_id += 1
@@ -109,6 +116,7 @@ class EventPublisher:
         self._dirty: dict[str, ActiveJob] = {}  # jobs with something unwritten, in order
         self._endings: list[Ending] = []
         self._wake = asyncio.Event()
+        self._urgent = asyncio.Event()  # something the interval must not hold back
         self._idle = asyncio.Event()  # nothing unwritten, nothing in flight
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
@@ -118,6 +126,7 @@ class EventPublisher:
     def announce(self, job: ActiveJob) -> None:
         """``started`` (after ``restarted`` for a job taken over from a dead worker)."""
         self._mark(job)
+        self._urgent.set()
 
     def record(self, outputs: list[RequestOutput], active: dict[str, ActiveJob]) -> None:
         """Note one step's outputs; the writer sends them with whatever else accumulated."""
@@ -137,12 +146,14 @@ class EventPublisher:
                     job.logprobs.append(out.logprobs)
                 if job.last_token_ms is None:
                     job.first_token_ms = stamp
+                    self._urgent.set()
                 else:
                     gap = stamp - job.last_token_ms
                     gaps[gap] = gaps.get(gap, 0) + 1
                 job.last_token_ms = stamp
             if out.finish_reason is not None:
                 job.end, job.end_ms = out, stamp
+                self._urgent.set()
             dirty[out.request_id] = job
         for gap, count in gaps.items():
             self.metrics.inter_token.observe(gap / 1000, count)
@@ -217,8 +228,12 @@ class EventPublisher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self.interval_s:
-                await asyncio.sleep(max(0.0, last + self.interval_s - time.monotonic()))
+            delay = last + self.interval_s - time.monotonic()
+            if delay > 0 and not self._urgent.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await self._urgent.wait()
+            self._urgent.clear()
             batch, finished = self._snapshot()
             if batch:
                 await self._write(batch)
@@ -252,6 +267,7 @@ class EventPublisher:
 
     def _end(self, ending: Ending) -> None:
         self._endings.append(ending)
+        self._urgent.set()
         self._wake_writer()
 
     def _wake_writer(self) -> None:
@@ -285,10 +301,10 @@ class EventPublisher:
             if job.restart_attempt is not None:
                 raw = RestartedEvent(id=job.next_event_id, job_id=job_id,
                                      attempt=job.restart_attempt).model_dump_json()
-                batch.add_event(job_id, job.take_id(), "restarted", raw)
+                batch.add_event(job_id, job.take_id(), "restarted", raw, job.shard)
             raw = StartedEvent(id=job.next_event_id, job_id=job_id, worker=self.worker_id,
                                prompt_tokens=job.prompt_tokens).model_dump_json()
-            batch.add_event(job_id, job.take_id(), "started", raw)
+            batch.add_event(job_id, job.take_id(), "started", raw, job.shard)
             batch.refresh_ttl(job_id)
         if not job.token_ids:
             return
@@ -300,11 +316,11 @@ class EventPublisher:
                     token_ids=[token], logprob=lp.logprob,
                     top_logprobs=[TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
                 batch.add_event(job_id, job.take_id(), "token",
-                                event.model_dump_json(exclude_none=True))
+                                event.model_dump_json(exclude_none=True), job.shard)
         else:
             event_id = job.take_id()
             batch.add_event(job_id, event_id, "token", token_event_json(
-                event_id, job_id, job.index, "".join(job.texts), job.token_ids))
+                event_id, job_id, job.index, "".join(job.texts), job.token_ids), job.shard)
         job.token_ids, job.texts, job.logprobs = [], [], []
 
     def _finish(self, batch: EventBatch, job: ActiveJob) -> None:
@@ -328,7 +344,7 @@ class EventPublisher:
         result = {"text": out.output_text, "finish_reason": reason,
                   "usage": usage.model_dump(), "timings": timings.model_dump()}
         batch.set_fields(job.job.id, {"status": "done", "result": json.dumps(result)})
-        batch.add_event(job.job.id, job.take_id(), "done", done.model_dump_json())
+        batch.add_event(job.job.id, job.take_id(), "done", done.model_dump_json(), job.shard)
         batch.refresh_ttl(job.job.id)
         batch.ack(job.delivery.stream, job.delivery.message_id)
         m = self.metrics
