@@ -48,9 +48,12 @@ class Settings(BaseSettings):
     # Base URL clients stream from (ws:// or wss://); None: the API's own address, ws scheme.
     gateway_url: str | None = None
     lane_partitions: int = Field(default=1, ge=1)
-    # A worker writes its events at most this often (0: as soon as the previous write landed).
-    # Tokens a job generated meanwhile leave as one event: fewer, larger writes and frames.
-    stream_interval_ms: float = Field(default=0.0, ge=0, le=1000)
+    # A worker writes its events at most this often (0: as soon as the previous write landed);
+    # a job's start, first token and end go at once regardless. Tokens a job generated
+    # meanwhile leave as one event: fewer, larger writes and frames. 10 ms is below what a
+    # reader notices and above a small model's step on a CPU (a GPU step of a large batch
+    # takes longer anyway).
+    stream_interval_ms: float = Field(default=10.0, ge=0, le=1000)
     # Events a watcher (WebSocket or SSE client) may fall behind before it is cut off (1013).
     watcher_queue_size: int = Field(default=1024, ge=1)
     job_ttl_s: int = Field(default=24 * 3600, ge=60)

@@ -31,40 +31,35 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import torch
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from tidegate import keys
-from tidegate.event_log import last_event_id
-from tidegate.jobstore import claim_many
-from tidegate.protocol import Job, SamplingParams, now_ms
+from tidegate.protocol import now_ms
 from tidegate.redis_conn import connect
 from tidegate.settings import Settings
 from tidegate.status_server import StatusServer
+from worker.arrivals import IDLE_BLOCK_MS, Arrival, ArrivalIntake
+from worker.calibration import calibrate, timed_step
 from worker.cancel_listener import CancelListener
 from worker.cpu_tuning import keep_large_allocations
-from worker.engine import Engine, EngineConfig, EngineRequest, RequestError, RequestOutput
+from worker.engine import Engine, EngineConfig, EngineRequest, RequestError
 from worker.intake import Delivery, StreamIntake
-from worker.load_shedder import Commitments, Estimate, Load, LoadShedder, ShedderConfig
+from worker.load_shedder import Commitments, Load, LoadShedder, ShedderConfig
 from worker.metrics import WorkerMetrics
 from worker.publisher import ActiveJob, EventPublisher
 
 log = logging.getLogger("tidegate.worker")
 
-IDLE_BLOCK_MS = 1000
-BUSY_BLOCK_MS = 100  # a busy worker's intake waits this long for jobs, then looks again
 HEARTBEAT_EVERY_S = 5.0
-PEEK_EVERY_S = 0.1
-PEEK_COUNT = 16
-PROMPT_LEN_CACHE = 1024
+LOAD_EVERY_S = 0.1  # how often a full worker notes its load for the intake's peeks
 EARLY_CANCEL_KEEP_S = 60.0
-FINAL_STATUSES = frozenset({"done", "error", "rejected"})
 
 
 def new_worker_id() -> str:
@@ -76,18 +71,6 @@ class QueuePolicy:
     visibility_timeout_ms: int = keys.VISIBILITY_TIMEOUT_MS
     max_deliveries: int = keys.MAX_DELIVERIES
     drain_timeout_s: float = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """A job the intake claimed and tokenized, for the main loop to admit at a step boundary."""
-
-    delivery: Delivery
-    job: Job
-    next_event_id: int
-    restarted: bool
-    prompt_ids: list[int]
-    problem: str = ""  # the tokenizer or chat template refused it: answered invalid_request
 
 
 class WorkerService:
@@ -110,19 +93,17 @@ class WorkerService:
                                         interval_s=stream_interval_s,
                                         on_finished=self._finished)
         self.cancels = CancelListener(redis, self._held_job_ids)
-        self.active: dict[str, ActiveJob] = {}
-        self._arrivals: list[Arrival] = []
         self._work = asyncio.Event()  # arrivals, or a stop, for an idle main loop
-        self._boundary = asyncio.Event()  # a step ended: seats may have freed
-        self._load: Load | None = None  # the engine's load for the intake (it runs mid-step)
+        self.arrivals = ArrivalIntake(
+            redis, engine, self.intake, self.publisher, self.shedder, worker_id=self.worker_id,
+            visibility_timeout_ms=self.policy.visibility_timeout_ms,
+            max_deliveries=self.policy.max_deliveries, running=self._running_deliveries,
+            wake=self._work)
+        self.active: dict[str, ActiveJob] = {}
         self._load_at = 0.0
         self._next_deadline_ms = 0
         self._early_cancels: dict[str, float] = {}  # cancels of jobs not admitted yet
-        self._intake_ok = True
         self._drain_until: float | None = None
-        self._last_reclaim = 0.0
-        self._last_peek = 0.0
-        self._prompt_lens: OrderedDict[str, int] = OrderedDict()  # job id -> prompt tokens
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -154,7 +135,8 @@ class WorkerService:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(1.0):
                         await self.cancels.ready.wait()
-            background.append(asyncio.create_task(self._intake_loop(), name="intake"))
+            background.append(asyncio.create_task(self.arrivals.run(lambda: self.draining),
+                                                  name="intake"))
             log.info("worker %s ready on %d streams", self.worker_id, len(self.intake.streams))
             while not self._drained():
                 await self._iteration()
@@ -173,7 +155,7 @@ class WorkerService:
     def _drained(self) -> bool:
         if self._drain_until is None:
             return False
-        idle = not self.engine.has_unfinished() and not self._arrivals
+        idle = not self.engine.has_unfinished() and not self.arrivals.arrivals
         return idle or time.monotonic() >= self._drain_until
 
     async def _until_redis(self, action) -> None:  # noqa: ANN001
@@ -198,31 +180,30 @@ class WorkerService:
             self._step_ended()
         else:
             self._work.clear()
-            if not self._arrivals and not self.draining:
+            if not self.arrivals.arrivals and not self.draining:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(1.0):
                         await self._work.wait()
 
     def _step_ended(self) -> None:
         full = self.engine.num_active >= self.engine.config.max_num_seqs
-        if (full or self.engine.num_waiting) and time.monotonic() - self._load_at > PEEK_EVERY_S:
-            self._load, self._load_at = self._admission_load(), time.monotonic()
-        self._boundary.set()
+        if (full or self.engine.num_waiting) and time.monotonic() - self._load_at > LOAD_EVERY_S:
+            self.arrivals.load, self._load_at = self._admission_load(), time.monotonic()
+        self.arrivals.step_ended()
 
     def _finished(self, job: ActiveJob) -> None:
         """The publisher stored the job's result and acked it."""
         self.active.pop(job.job.id, None)
 
     def _held_job_ids(self) -> list[str]:
-        return [*self.active, *(a.job.id for a in self._arrivals)]
+        return [*self.active, *(a.job.id for a in self.arrivals.arrivals)]
 
-    def _held_deliveries(self) -> list[Delivery]:
-        return [job.delivery for job in self.active.values()] + [
-            a.delivery for a in self._arrivals]
+    def _running_deliveries(self) -> list[Delivery]:
+        return [job.delivery for job in self.active.values()]
 
     def _report_redis(self) -> None:
         if self.status is not None:
-            self.status.redis_ok = not self.publisher.stalled and self._intake_ok
+            self.status.redis_ok = not self.publisher.stalled and self.arrivals.ok
 
     async def _hand_back(self) -> None:
         """On drain timeout: abandon unfinished jobs as if long idle, for others to reclaim."""
@@ -232,7 +213,7 @@ class WorkerService:
         except TimeoutError:  # their results are lost with us: they will run again
             log.warning("could not store %d results before exit", self.publisher.unwritten)
         left = [job.delivery for job in self.active.values() if job.end is None]
-        left += [a.delivery for a in self._arrivals]
+        left += [a.delivery for a in self.arrivals.arrivals]
         if left:
             log.info("drain: handing %d unfinished jobs back to the group", len(left))
             try:
@@ -270,9 +251,9 @@ class WorkerService:
     def _admit_arrivals(self) -> None:
         """Start the jobs the intake prepared, or answer them (refusals go out with the next
         write). Engine state is read here, where no step is running."""
-        if not self._arrivals:
+        arrivals = self.arrivals.take()
+        if not arrivals:
             return
-        arrivals, self._arrivals = self._arrivals, []
         load = self._admission_load()
         left = self.engine.tokens_left()
         now = now_ms()
@@ -328,160 +309,6 @@ class WorkerService:
                 seat_wait = min(left.values()) * self.shedder.step_s(full)
         return Load(engine.num_active, engine.pending_prefill_tokens, full, seat_wait)
 
-    # ------------------------------------------------------------------ intake (beside steps)
-
-    async def _intake_loop(self) -> None:
-        while not self.draining:
-            try:
-                await self._intake_once()
-                self._intake_ok = True
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                # Redis came back without our streams (no persistence): set them up again.
-                log.warning("consumer group missing; recreating it")
-                await self._until_redis(self.intake.ensure_groups)
-            except RedisError as exc:
-                log.warning("redis unavailable (%s); retrying", exc)
-                self._intake_ok = False
-                await asyncio.sleep(0.5)
-
-    async def _intake_once(self) -> None:
-        engine = self.engine
-        seats = engine.config.max_num_seqs - engine.num_active - len(self._arrivals)
-        if engine.num_waiting or seats <= 0:
-            # Full: leave runnable jobs to other workers, but answer hopeless ones at once.
-            await self._reject_hopeless_head()
-            await self._next_boundary(PEEK_EVERY_S)
-            return
-        deliveries: list[Delivery] = []
-        now = time.monotonic()
-        if now - self._last_reclaim > self.policy.visibility_timeout_ms / 4000:
-            self._last_reclaim = now
-            deliveries = await self.intake.reclaim(
-                seats, min_idle_ms=self.policy.visibility_timeout_ms)
-        if len(deliveries) < seats:
-            busy = engine.has_unfinished() or bool(deliveries or self._arrivals)
-            deliveries += await self.intake.read(
-                seats - len(deliveries), block_ms=BUSY_BLOCK_MS if busy else IDLE_BLOCK_MS)
-        if deliveries:
-            await self._prepare(deliveries)
-
-    async def _next_boundary(self, timeout_s: float) -> None:
-        self._boundary.clear()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._boundary.wait()
-
-    async def _prepare(self, deliveries: list[Delivery]) -> None:
-        """Claim the jobs (one round trip), answer those that will not run, tokenize the rest
-        and hand them to the main loop."""
-        held = set(self._held_job_ids())
-        claimable: list[Delivery] = []
-        duplicates: list[Delivery] = []
-        mine = {(d.stream, d.message_id) for d in self._held_deliveries()}
-        for delivery in deliveries:
-            job = delivery.job
-            if job is None:
-                await self._malformed(delivery)
-            elif (delivery.stream, delivery.message_id) in mine:
-                continue  # our own entry, reclaimed after an outage let it idle: still ours
-            elif job.id in held:  # the same job delivered twice: the running copy wins
-                duplicates.append(delivery)
-            elif delivery.attempt > self.policy.max_deliveries:
-                await self._dead_letter(delivery, job)
-            else:
-                held.add(job.id)
-                claimable.append(delivery)
-        if duplicates:
-            await self.intake.ack(duplicates)
-        claims = await claim_many(self.redis, [d.job.id for d in claimable if d.job],
-                                  self.worker_id)
-        done: list[Delivery] = []
-        now = now_ms()
-        for delivery, claim in zip(claimable, claims, strict=True):
-            job = delivery.job
-            assert job is not None
-            if claim.before in FINAL_STATUSES:  # cancelled while queued, or finished elsewhere
-                done.append(delivery)
-            elif claim.before == "cancel_requested":
-                self.publisher.cancelled_before_start(delivery, claim.next_event_id)
-            elif job.deadline_ms <= now:
-                self.publisher.fail(delivery, claim.next_event_id, code="deadline_exceeded",
-                                    rejected=True,
-                                    message="the deadline passed before a worker could start")
-            else:
-                self._arrivals.append(self._tokenized(delivery, job, claim.next_event_id,
-                                                      restarted=claim.before == "running"
-                                                      or delivery.attempt > 1))
-        if done:
-            await self.intake.ack(done)
-        self._work.set()
-
-    def _tokenized(self, delivery: Delivery, job: Job, next_id: int, *,
-                   restarted: bool) -> Arrival:
-        try:
-            prompt_ids = self.tokenizer.encode_prompt(job.prompt, job.messages)
-        except ValueError as exc:  # a chat template refusing the messages
-            return Arrival(delivery, job, next_id, restarted, [], str(exc))
-        return Arrival(delivery, job, next_id, restarted, prompt_ids)
-
-    async def _malformed(self, delivery: Delivery) -> None:
-        log.warning("malformed job %s on %s: %s", delivery.message_id, delivery.stream,
-                    delivery.problem)
-        next_id = await last_event_id(self.redis, delivery.job_id) + 1 if delivery.job_id else 0
-        self.publisher.fail(delivery, next_id, code="invalid_job", message=delivery.problem)
-
-    async def _dead_letter(self, delivery: Delivery, job: Job) -> None:
-        """Move a job that keeps failing to the lane's dead-letter stream and end it."""
-        last_error = (f"its worker stopped responding on each of {delivery.attempt - 1} "
-                      f"deliveries")
-        await self.redis.xadd(keys.dead_letter_stream(job.lane), {
-            "job": job.model_dump_json(), "job_id": job.id, "attempts": str(delivery.attempt),
-            "error": last_error, "stream": delivery.stream, "message_id": delivery.message_id,
-        }, maxlen=keys.LANE_MAXLEN, approximate=True)
-        self.publisher.fail(delivery, await last_event_id(self.redis, job.id) + 1,
-                            code="dead_lettered",
-                            message=f"gave up after {delivery.attempt - 1} attempts: {last_error}")
-
-    async def _reject_hopeless_head(self) -> None:
-        """Take the leading run of undelivered jobs that could not finish in time even once
-        this worker's first seat frees; the main loop rejects them now rather than when a
-        seat frees."""
-        load = self._load
-        if not self.shedder.config.enabled or load is None:
-            return
-        if time.monotonic() - self._last_peek < PEEK_EVERY_S:
-            return
-        self._last_peek = time.monotonic()
-        for stream in self.intake.streams:
-            hopeless = 0
-            for entry in await self.intake.peek(stream, PEEK_COUNT):
-                job = entry.job
-                if job is None or self._estimate(job, self._prompt_len(job), load).admit:
-                    break
-                hopeless += 1
-            if hopeless:
-                # Another worker may have taken some meanwhile; the main loop judges each again.
-                await self._prepare(await self.intake.read_from(stream, hopeless))
-
-    def _estimate(self, job: Job, prompt_tokens: int, load: Load) -> Estimate:
-        time_left = (job.deadline_ms - now_ms()) / 1000
-        return self.shedder.estimate(prompt_tokens, job.sampling.max_tokens, load, time_left)
-
-    def _prompt_len(self, job: Job) -> int:
-        # A full worker peeks at the same waiting jobs every PEEK_EVERY_S: tokenize each once.
-        n = self._prompt_lens.get(job.id)
-        if n is None:
-            try:
-                n = len(self.tokenizer.encode_prompt(job.prompt, job.messages))
-            except ValueError:
-                n = 0  # _admit will answer it with the proper error
-            self._prompt_lens[job.id] = n
-            if len(self._prompt_lens) > PROMPT_LEN_CACHE:
-                self._prompt_lens.popitem(last=False)
-        return n
-
     # ------------------------------------------------------------------ beside everything
 
     async def _keepalive(self) -> None:
@@ -489,7 +316,7 @@ class WorkerService:
         while True:
             await asyncio.sleep(self.policy.visibility_timeout_ms / 3000)
             try:
-                await self.intake.touch(self._held_deliveries())
+                await self.intake.touch(self.arrivals.held())
             except RedisError as exc:
                 log.warning("keepalive failed: %s", exc)
 
@@ -511,59 +338,11 @@ class WorkerService:
             await asyncio.sleep(HEARTBEAT_EVERY_S)
 
 
-def timed_step(engine: Engine, shedder: LoadShedder) -> list[RequestOutput]:
-    """One engine step, timed and reported to the load shedder."""
-    stats = engine.stats
-    prompt0, decode0 = stats.prompt_tokens_computed, stats.decode_tokens
-    t0 = time.perf_counter()
-    outputs = engine.step()
-    seconds = time.perf_counter() - t0
-    prompt, decodes = stats.prompt_tokens_computed - prompt0, stats.decode_tokens - decode0
-    shedder.observe_step(prompt, decodes, seconds)
-    log.debug("step: %d prompt tokens, %d decodes, %.1f ms", prompt, decodes, 1000 * seconds)
-    return outputs
-
-
-def calibrate(engine: Engine, shedder: LoadShedder) -> None:
-    """Measure the rates the shedder starts from, on throwaway requests: one unmeasured round
-    to warm the kernels and allocator up, then a 256-token prompt and decode steps at batch 1
-    and at ``max_num_seqs``. The engine's counters are zeroed after: the metrics count jobs."""
-    vocab = engine.tokenizer.vocab_size
-    full = engine.config.max_num_seqs
-
-    def prompt(i: int, n: int) -> list[int]:
-        # Distinct prompts, so the prefix cache can't skip the work being measured.
-        return [(7919 * (i * n + j) + i) % (vocab - 1) + 1 for j in range(n)]
-
-    def run(batch: int, prompt_len: int, decodes: int, measure: bool) -> None:
-        params = SamplingParams(max_tokens=decodes + 1, ignore_eos=True)
-        for i in range(batch):
-            engine.add_request(EngineRequest(f"calibrate-{measure}-{batch}-{i}",
-                                             prompt(i, prompt_len), params))
-        while engine.has_unfinished():
-            if measure:
-                timed_step(engine, shedder)
-            else:
-                engine.step()
-
-    run(full, 32, 2, measure=False)
-    for batch, prompt_len in ((1, 256), (full, 8)):
-        run(batch, prompt_len, 8, measure=True)
-    engine.reset_stats()
-    log.info("calibrated: prefill %.0f tok/s, decode step %.1f ms at batch 1, %.1f ms at %d",
-             shedder.prefill_tok_s(), 1000 * shedder.step_s(1), 1000 * shedder.step_s(full), full)
-
-
-async def serve(settings: Settings) -> None:
-    """Load the model, join the consumer group and run until SIGTERM/SIGINT (then drain)."""
+def build_engine(settings: Settings) -> Engine:
+    """The model and the engine a worker with these settings runs (benchmarks build the same)."""
     from worker.loader import load_model
 
     keep_large_allocations()
-    status = None
-    if settings.metrics_port:  # up first: probes get answers while the model loads
-        status = StatusServer(settings.host, settings.metrics_port)
-        if not status.start():
-            status = None
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
@@ -571,7 +350,7 @@ async def serve(settings: Settings) -> None:
     log.info("loaded %s in %.1fs (%s, %s)", loaded.source.name, loaded.load_s, settings.device,
              next(loaded.model.parameters()).dtype)
     max_len = min(loaded.tokenizer.max_context, loaded.config.max_position_embeddings)
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
+    return Engine(loaded.model, loaded.tokenizer, EngineConfig(
         max_model_len=max_len,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
@@ -581,6 +360,19 @@ async def serve(settings: Settings) -> None:
         prefix_caching=settings.prefix_caching,
         cuda_graphs=settings.cuda_graphs,
     ))
+
+
+async def serve(settings: Settings) -> None:
+    """Load the model, join the consumer group and run until SIGTERM/SIGINT (then drain)."""
+    status = None
+    if settings.metrics_port:  # up first: probes get answers while the model loads
+        status = StatusServer(settings.host, settings.metrics_port)
+        if not status.start():
+            status = None
+    # The engine's thread takes the GIL back sooner from the event loop's writer and intake
+    # (the default switch interval, 5 ms, is a fair share of a decode step).
+    sys.setswitchinterval(0.001)
+    engine = build_engine(settings)
     print(f"tidegate worker: {engine.kv_spec.describe()}", flush=True)
     shedder = LoadShedder(ShedderConfig(enabled=settings.load_shedding,
                                         safety=settings.shedding_safety))

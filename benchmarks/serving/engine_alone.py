@@ -6,8 +6,8 @@ the two must never overlap):
 
     python -m benchmarks.serving.engine_alone SPEC.json OUT.json
 
-The model, the ``EngineConfig`` and the warm-up are built exactly as ``worker/service.py``
-``serve()`` builds them (keep the two in step); then every prompt's token ids are added at once
+The model and the engine come from the worker's own ``build_engine``, warmed up by its own
+``calibrate``; then every prompt's token ids are added at once
 with the submit's sampling (greedy, ``ignore_eos``, ``max_tokens`` = output length) and the
 engine steps until all finish. Output tok/s = generated tokens / wall time from the first add.
 """
@@ -24,33 +24,11 @@ import torch
 
 from benchmarks.serving.metrics import Dist
 from tidegate.protocol import SamplingParams, now_ms
-from tidegate.settings import Settings, load_settings
-from worker.cpu_tuning import keep_large_allocations
-from worker.engine import Engine, EngineConfig, EngineRequest
+from tidegate.settings import load_settings
+from worker.calibration import calibrate
+from worker.engine import Engine, EngineRequest
 from worker.load_shedder import LoadShedder, ShedderConfig
-from worker.loader import load_model
-from worker.service import calibrate
-
-
-def build_engine(settings: Settings) -> tuple[Engine, float]:
-    """The worker's engine (``serve()``'s steps, in its order) and the model's load time."""
-    keep_large_allocations()
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
-    dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
-    loaded = load_model(settings.model, device=settings.device, dtype=dtype)
-    max_len = min(loaded.tokenizer.max_context, loaded.config.max_position_embeddings)
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
-        max_model_len=max_len,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
-        block_size=settings.block_size,
-        kv_cache_gb=settings.kv_cache_gb,
-        kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
-        prefix_caching=settings.prefix_caching,
-        cuda_graphs=settings.cuda_graphs,
-    ))
-    return engine, loaded.load_s
+from worker.service import build_engine
 
 
 def run(engine: Engine, prompts: list[list[int]], output_lens: list[int],
@@ -94,7 +72,9 @@ def run(engine: Engine, prompts: list[list[int]], output_lens: list[int],
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     settings = load_settings()
-    engine, load_s = build_engine(settings)
+    t0 = time.perf_counter()
+    engine = build_engine(settings)
+    load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     calibrate(engine, LoadShedder(ShedderConfig(enabled=settings.load_shedding,
                                                 safety=settings.shedding_safety)))

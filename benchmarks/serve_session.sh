@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One GPU-machine call of the serving benchmark: set up, then benchmarks/serve.py.
+#
+#   bash benchmarks/serve_session.sh NAME [serve.py arguments...]
+#
+# Run from the repository root on the device machine (the `device` tool's `run`), with $OUT set.
+# Carried (git-ignored, named in the call's `carry`):
+#   .whl/       the wheels the machine's image lacks (redis, pydantic, starlette, uvicorn, ...),
+#               installed to /tmp/site;
+#   .redisbin/  this machine's Debian redis-server with the shared libraries the image lacks,
+#               started through .redisbin/run-redis (LD_LIBRARY_PATH for redis-server alone).
+# Results: $OUT/NAME.json, $OUT/NAME.png, the processes' logs as $OUT/NAME-logs.tgz, and
+# everything printed in $OUT/session.log.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+name=${1:?a name for this run}
+shift
+exec > >(tee -a "$OUT/session.log") 2>&1
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TIDEGATE_KERNEL_CACHE=/tmp/tidegate-kernels
+ulimit -n 65536 2>/dev/null || ulimit -n 8192
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+echo "cores: $(nproc); $(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
+.redisbin/run-redis --version || exit 1
+
+logs=/tmp/serve-logs-$name
+rm -rf "$logs"
+# Whatever is left of the call's 10 minutes, less a margin for packing and the copy back.
+timeout $(( 570 - SECONDS )) python3 benchmarks/serve.py --redis-server .redisbin/run-redis \
+  --logdir "$logs" --out "$OUT/$name.json" --plot "$OUT/$name.png" "$@"
+status=$?
+tar czf "$OUT/$name-logs.tgz" -C "$logs" . 2>/dev/null
+exit $status
