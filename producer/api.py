@@ -156,6 +156,7 @@ class ProducerAPI:
 
     async def _enqueue(self, job: Job, *, tenant: str, stream_token: str | None = None) -> None:
         hashed = token_hash(stream_token) if stream_token is not None else None
+        # A fresh job id (uuid4) has no record yet, so this always enqueues.
         await enqueue(self._connected(), job, ttl_s=self.settings.job_ttl_s, owner=tenant,
                       stream_token_hash=hashed)
         self._backlog.note_enqueued(job.lane)
@@ -210,6 +211,8 @@ class ProducerAPI:
         if self._admission is None:
             raise RuntimeError("ProducerAPI.start() was not called")
         try:
+            if self._admission.is_quick(job_request):
+                return self._admission.check(job_request)
             return await anyio.to_thread.run_sync(self._admission.check, job_request)
         except AdmissionError as exc:
             fields = [FieldError(field=exc.field, reason=exc.reason)]
