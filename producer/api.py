@@ -18,7 +18,7 @@ from typing import Any
 import anyio.to_thread
 import redis.asyncio as aioredis
 from pydantic import ValidationError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -56,7 +56,7 @@ class ProducerAPI:
                                     partitions=settings.lane_partitions,
                                     retry_after_s=settings.retry_after_s)
         self._redis: aioredis.Redis | None = None
-        self._enqueuer: Enqueuer | None = None
+        self._batched: Batched | None = None  # the client for the submit path's commands
         self._hub: EventHub | None = None
         self.routes: list[BaseRoute] = [
             Route("/v1/jobs", self.submit, methods=["POST"]),
@@ -83,14 +83,14 @@ class ProducerAPI:
             self._admission = await anyio.to_thread.run_sync(
                 Admission.for_model, self.settings.model)
         self._redis = connect(self.settings.redis_url)
-        self._enqueuer = Enqueuer(self._redis, ttl_s=self.settings.job_ttl_s)
+        self._batched = Batched(self._redis)
         self._hub = EventHub(self._redis, queue_size=self.settings.watcher_queue_size)
         await self._hub.start()
 
     async def stop(self) -> None:
-        if self._enqueuer is not None:
-            await self._enqueuer.close()
-            self._enqueuer = None
+        if self._batched is not None:
+            await self._batched.close()
+            self._batched = None
         if self._hub is not None:
             await self._hub.stop()
             self._hub = None
@@ -135,7 +135,7 @@ class ProducerAPI:
         """
         job_request = _validated(body)
         key = job_request.idempotency_key
-        redis = self._connected()
+        redis = self._submit_redis()
         if key is not None and (earlier := await idempotency.replay(redis, tenant, key)):
             return earlier.claim, earlier.status, 200
         job = await self._admitted_job(job_request)
@@ -161,10 +161,11 @@ class ProducerAPI:
         return job_request.to_job(default_timeout_s=self.settings.default_timeout_s)
 
     async def _enqueue(self, job: Job, *, tenant: str, stream_token: str | None = None) -> None:
-        if self._enqueuer is None:
-            raise RuntimeError("ProducerAPI.start() was not called")
         hashed = token_hash(stream_token) if stream_token is not None else None
-        await self._enqueuer.enqueue(job, owner=tenant, stream_token_hash=hashed)
+        # A fresh job id (uuid4) has no record yet, so this always enqueues. Batched stands in
+        # for the client: enqueue sends one EVALSHA (or SCRIPT LOAD first, straight through).
+        await enqueue(self._submit_redis(), job,  # type: ignore[arg-type]
+                      ttl_s=self.settings.job_ttl_s, owner=tenant, stream_token_hash=hashed)
         self._backlog.note_enqueued(job.lane)
 
     async def _get_job(self, request: Request) -> Response:
@@ -229,6 +230,11 @@ class ProducerAPI:
             raise RuntimeError("ProducerAPI.start() was not called")
         return self._redis
 
+    def _submit_redis(self) -> Batched:
+        if self._batched is None:
+            raise RuntimeError("ProducerAPI.start() was not called")
+        return self._batched
+
     @property
     def redis(self) -> aioredis.Redis:
         return self._connected()
@@ -245,39 +251,52 @@ class ProducerAPI:
         return f"{base.rstrip('/')}/v1/jobs/{job_id}/stream"
 
 
-class Enqueuer:
-    """Enqueues the jobs of concurrent submits, all those waiting in one pipeline.
+class Batched:
+    """The Redis client as the submit path uses it: the commands that concurrent submits make
+    (GET, SET, HGET, EVALSHA) go to Redis together, in one pipeline.
 
-    Each job is still its own ``tidegate.jobstore.enqueue`` script: atomic, its keys written
-    before its lane entry, safe to send again. What a round trip costs this process in
-    redis-py (a pooled connection, a write, a read: about 100 us of CPU per command, more than
-    the script's own arguments) is paid once per pipeline instead of once per submit: while one
-    pipeline is on its way, the submits that arrive wait for the next, so a lone submit goes at
-    once and a busy API sends dozens per round trip. A submit's answer still comes only after
-    Redis has run its script. (Redis Cluster: a pipeline may mix slots, redis-py's cluster
-    pipeline splits it by node; the script itself may not, see ``enqueue``.)
+    What a round trip costs this process in redis-py (a pooled connection, a write, a read:
+    about 100 us of CPU) is paid once per pipeline instead of once per command: while one
+    pipeline is on its way, the commands made meanwhile wait for the next, so a lone command
+    goes at once and a busy API sends dozens per round trip. Each caller still gets its own
+    command's answer (or error) only once Redis has run it, exactly as from the client; a
+    pipeline is no transaction, so each command is what it was alone (an enqueue is still its
+    one atomic script). Any other command goes straight to the client. (Redis Cluster: a
+    pipeline may mix slots, redis-py's cluster pipeline splits it by node.)
     """
 
-    def __init__(self, redis: aioredis.Redis, *, ttl_s: int):
+    def __init__(self, redis: aioredis.Redis):
         self._redis = redis
-        self._ttl_s = ttl_s
-        self._waiting: list[_Waiting] = []
+        self._waiting: list[_Command] = []
         self._sender: asyncio.Task[None] | None = None
 
-    async def enqueue(self, job: Job, *, owner: str | None,
-                      stream_token_hash: str | None) -> None:
-        """Enqueue ``job`` (a fresh id: its record is written now); raises ``RedisError``."""
-        loop = asyncio.get_running_loop()
-        waiting = _Waiting(job, owner, stream_token_hash, loop.create_future())
-        self._waiting.append(waiting)
-        if self._sender is None:
-            self._sender = loop.create_task(self._send_all())
-        await waiting.done
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._redis, name)
+
+    async def get(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call("get", args, kwargs)
+
+    async def set(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call("set", args, kwargs)
+
+    async def hget(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call("hget", args, kwargs)
+
+    async def evalsha(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call("evalsha", args, kwargs)
 
     async def close(self) -> None:
         """Wait for what is on its way (the server stops taking requests first)."""
         if self._sender is not None:
             await asyncio.shield(self._sender)
+
+    async def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        command = _Command(method, args, kwargs, loop.create_future())
+        self._waiting.append(command)
+        if self._sender is None:
+            self._sender = loop.create_task(self._send_all())
+        return await command.answer
 
     async def _send_all(self) -> None:
         try:
@@ -285,66 +304,60 @@ class Enqueuer:
                 batch, self._waiting = self._waiting, []
                 try:
                     await self._send(batch)
-                except BaseException as exc:  # a bug or a cancellation: no submit waits forever
-                    for waiting in batch:
-                        waiting.fail(exc if isinstance(exc, Exception) else
+                except BaseException as exc:  # a bug or a cancellation: no caller waits forever
+                    for command in batch:
+                        command.fail(exc if isinstance(exc, Exception) else
                                      RedisError("the API is shutting down"))
                     raise
         finally:
             self._sender = None
-            for waiting in self._waiting:  # only if cancelled: the loop above empties it
-                waiting.fail(RedisError("the API is shutting down"))
+            for command in self._waiting:  # only after a cancellation: the loop empties it
+                command.fail(RedisError("the API is shutting down"))
             self._waiting = []
 
-    async def _send(self, batch: list[_Waiting]) -> None:
+    async def _send(self, batch: list[_Command]) -> None:
         if len(batch) == 1:
-            await self._send_one(batch[0])
+            command = batch[0]
+            try:
+                answer = await getattr(self._redis, command.method)(*command.args,
+                                                                    **command.kwargs)
+            except RedisError as exc:
+                command.fail(exc)
+            else:
+                command.succeed(answer)
             return
         pipe = self._redis.pipeline(transaction=False)
-        for w in batch:
-            await enqueue(pipe, w.job, ttl_s=self._ttl_s, owner=w.owner,
-                          stream_token_hash=w.stream_token_hash)
+        for command in batch:
+            getattr(pipe, command.method)(*command.args, **command.kwargs)
         try:
-            results = await pipe.execute(raise_on_error=False)
+            answers = await pipe.execute(raise_on_error=False)
         except RedisError as exc:
-            for w in batch:
-                w.fail(exc)
+            for command in batch:
+                command.fail(exc)
             return
-        for w, result in zip(batch, results, strict=True):
-            if isinstance(result, NoScriptError):  # a fresh Redis: enqueue() loads the script
-                await self._send_one(w)
-            elif isinstance(result, Exception):
-                w.fail(result)
+        for command, answer in zip(batch, answers, strict=True):
+            if isinstance(answer, Exception):
+                command.fail(answer)
             else:
-                w.succeed()
-
-    async def _send_one(self, w: _Waiting) -> None:
-        try:
-            await enqueue(self._redis, w.job, ttl_s=self._ttl_s, owner=w.owner,
-                          stream_token_hash=w.stream_token_hash)
-        except RedisError as exc:
-            w.fail(exc)
-        else:
-            w.succeed()
+                command.succeed(answer)
 
 
-class _Waiting:
-    """One submit's job and the future its submit awaits."""
+class _Command:
+    """One caller's command and the future it awaits."""
 
-    __slots__ = ("done", "job", "owner", "stream_token_hash")
+    __slots__ = ("answer", "args", "kwargs", "method")
 
-    def __init__(self, job: Job, owner: str | None, stream_token_hash: str | None,
-                 done: asyncio.Future[None]):
-        self.job, self.owner, self.stream_token_hash, self.done = (
-            job, owner, stream_token_hash, done)
+    def __init__(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 answer: asyncio.Future[Any]):
+        self.method, self.args, self.kwargs, self.answer = method, args, kwargs, answer
 
-    def succeed(self) -> None:
-        if not self.done.done():  # a submit cancelled meanwhile (its client left) has gone
-            self.done.set_result(None)
+    def succeed(self, answer: Any) -> None:
+        if not self.answer.done():  # a caller cancelled meanwhile (its client left) has gone
+            self.answer.set_result(answer)
 
     def fail(self, exc: BaseException) -> None:
-        if not self.done.done():
-            self.done.set_exception(exc)
+        if not self.answer.done():
+            self.answer.set_exception(exc)
 
 
 def create_app(settings: Settings, *, admission: Admission | None = None) -> Starlette:

@@ -47,7 +47,7 @@ _ENQUEUE_SHA = hashlib.sha1(_ENQUEUE_LUA.encode()).hexdigest()
 
 async def enqueue(
     redis: aioredis.Redis, job: Job, *, partition: int = 0, ttl_s: int = keys.JOB_TTL_S,
-    owner: str | None = None, stream_token_hash: str | None = None, job_json: str | None = None,
+    owner: str | None = None, stream_token_hash: str | None = None,
 ) -> bool:
     """Record the job and its ``queued`` event, then put it on its lane stream: one script,
     one round trip. False if the job id already had a record (nothing is written again).
@@ -55,14 +55,10 @@ async def enqueue(
     The job's keys share one slot and are written first, so a job visible to workers always
     has its record; the lane stream lives in another slot and is written last (see the Cluster
     note above the script). ``owner`` (the submitting tenant) and ``stream_token_hash`` go
-    into the job hash with the rest; ``job_json`` is ``job.model_dump_json()`` when the caller
-    has it already (the hash and the lane entry carry the same JSON).
-
-    ``redis`` may be a pipeline: the script's call is queued on it, and ``execute()`` gives its
-    1 or 0, or ``NoScriptError`` while the script is not loaded (then enqueue with the client,
-    which loads it); this call then returns True.
+    into the job hash with the rest; the hash and the lane entry carry the same job JSON,
+    encoded once.
     """
-    raw = job_json if job_json is not None else job.model_dump_json()
+    raw = job.model_dump_json()
     queued = QueuedEvent(id=1, job_id=job.id, lane=job.lane).model_dump_json()
     args: list[str | int] = [raw, queued, ttl_s, keys.LANE_MAXLEN]
     if owner is not None:
@@ -70,9 +66,6 @@ async def enqueue(
     if stream_token_hash is not None:
         args += ["stream_token_hash", stream_token_hash]
     names = (keys.job_hash(job.id), keys.job_events(job.id), keys.lane_stream(job.lane, partition))
-    if isinstance(redis, aioredis.client.Pipeline):
-        redis.evalsha(_ENQUEUE_SHA, 3, *names, *args)
-        return True
     try:
         done = await redis.evalsha(_ENQUEUE_SHA, 3, *names, *args)
     except NoScriptError:  # a fresh (or flushed) Redis: load it once, then as before
