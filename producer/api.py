@@ -58,6 +58,9 @@ class ProducerAPI:
         self._redis: aioredis.Redis | None = None
         self._batched: Batched | None = None  # the client for the submit path's commands
         self._hub: EventHub | None = None
+        # Stream URL bases by what they are made of (see _base_key): building one from the
+        # request (Starlette's base_url) cost more than the rest of the answer.
+        self._stream_base: dict[tuple[Any, ...], str] = {}
         self.routes: list[BaseRoute] = [
             Route("/v1/jobs", self.submit, methods=["POST"]),
             Route("/v1/jobs/{job_id}", self.get_job, methods=["GET"]),
@@ -247,8 +250,12 @@ class ProducerAPI:
         return self._hub
 
     def _stream_url(self, request: Request, job_id: str) -> str:
-        base = self.settings.gateway_url or _ws_base(request)
-        return f"{base.rstrip('/')}/v1/jobs/{job_id}/stream"
+        base = self._stream_base.get(_base_key(request.scope))
+        if base is None:
+            base = (self.settings.gateway_url or _ws_base(request)).rstrip("/")
+            if len(self._stream_base) < 256:  # Host headers are the client's: bound the cache
+                self._stream_base[_base_key(request.scope)] = base
+        return f"{base}/v1/jobs/{job_id}/stream"
 
 
 class Batched:
@@ -433,6 +440,13 @@ def _too_large() -> Refusal:
 
 def _not_found(job_id: str) -> Refusal:
     return Refusal(404, "not_found", f"no job with id {job_id!r}")
+
+
+def _base_key(scope: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Everything Starlette's ``request.base_url`` is made of."""
+    host = next((value for key, value in scope["headers"] if key == b"host"), None)
+    return (scope.get("scheme"), host, scope.get("server"),
+            scope.get("app_root_path", scope.get("root_path", "")))
 
 
 def _ws_base(request: Request) -> str:
