@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
@@ -395,18 +395,24 @@ async def _read_json(request: Request) -> Any:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise _too_large()
+    # The ASGI messages themselves, as Request.stream() reads them, without its generator.
     chunks: list[bytes] = []
     size = 0
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":  # nobody will read the answer; no traceback
+            raise Refusal(400, "client_disconnected", "the client left mid-body")
+        if message["type"] != "http.request":
+            continue
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_large()
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise _too_large()
-            chunks.append(chunk)
-    except ClientDisconnect as exc:  # nobody will read the answer; just don't log a traceback
-        raise Refusal(400, "client_disconnected", "the client left mid-body") from exc
-    try:
-        return json.loads(b"".join(chunks))
+        return json.loads(chunks[0] if len(chunks) == 1 else b"".join(chunks))
     except ValueError as exc:  # includes a body that is not UTF-8
         fields = [FieldError(field="body", reason=str(exc))]
         raise Refusal(400, "invalid_json", "the request body is not valid JSON", fields) from exc
