@@ -10,7 +10,7 @@ load generator's CPU, and what else was busy on the machine meanwhile.
 Scenarios: ``plain`` (a short prompt), ``chat`` (system + user messages, rendered by the chat
 template), ``idem`` (a plain prompt with a fresh ``Idempotency-Key`` header on every request:
 every answer is a 202), ``auth`` (a plain prompt with ``Authorization: Bearer``, the API started
-with ``TIDEGATE_API_KEYS``), ``long`` (a ~6,000-character prompt: tokenizing takes a while).
+with ``TIDEGATE_API_KEYS``), ``long`` (a ~1,500-character prompt: 1,500 tokens for random:tiny, ~300 for smollm2).
 
 Nothing consumes the lane, so the API runs with ``TIDEGATE_MAX_BACKLOG`` far above what a run
 enqueues (no 429 can come) and Redis is flushed before every run; after each run the lane
@@ -57,7 +57,7 @@ MESSAGES = [
     {"role": "system", "content": "You are a concise assistant."},
     {"role": "user", "content": "What is the capital of France? Answer in one word."},
 ]
-LONG_PROMPT = " ".join(["The tide came in over the mudflats and the birds lifted."] * 105)
+LONG_PROMPT = " ".join(["The tide came in over the mudflats and the birds lifted."] * 26)
 LANE = "tidegate:lane:{interactive.0}"
 
 
