@@ -12,6 +12,13 @@ from tidegate.model_source import resolve_model
 from tidegate.protocol import JobRequest
 from tidegate.tokenizer import Tokenizer, load_tokenizer
 
+# Prompts (or chats, their contents added up) of at most this many characters are admitted on
+# the event loop: tokenizing them takes 20-400 us, less than or about what handing the work to a
+# worker thread and back costs. The tokenizer holds the GIL while it encodes, so a thread buys
+# no parallelism either way; longer prompts still go to one, so the loop can run between the
+# Python steps of their admission (chat rendering, the copy) instead of waiting for all of it.
+INLINE_PROMPT_CHARS = 2048
+
 
 class AdmissionError(Exception):
     """A request the model cannot serve; ``field`` names the request field to change.
@@ -47,7 +54,7 @@ class Admission:
 
         A request that did not set ``max_tokens`` gets the default capped to the room its
         prompt leaves, rather than a refusal over a field it never sent. CPU-bound on long
-        prompts: call it from a worker thread in async code.
+        prompts: in async code, call it from a worker thread unless ``is_quick``.
         """
         prompt_tokens = self.count_prompt_tokens(request)
         field = "prompt" if request.prompt is not None else "messages"
@@ -67,6 +74,15 @@ class Admission:
                 f"the model's context of {self.max_context} tokens; at most {room} fit",
             )
         return request
+
+    @staticmethod
+    def is_quick(request: JobRequest) -> bool:
+        """Whether ``check`` is cheap enough to run on the event loop (a short prompt)."""
+        if request.prompt is not None:
+            return len(request.prompt) <= INLINE_PROMPT_CHARS
+        if request.messages is None or len(request.messages) > 16:
+            return False
+        return sum(len(m.content) for m in request.messages) <= INLINE_PROMPT_CHARS
 
     def count_prompt_tokens(self, request: JobRequest) -> int:
         """Tokens of the prompt as the worker will see it (chat messages rendered)."""

@@ -50,7 +50,11 @@ class LaneBacklog:
 
     async def check(self, redis: aioredis.Redis, lane: str) -> None:
         """``LaneFull`` if one more job would not fit on ``lane``."""
-        backlog = await self.backlog(redis, lane)
+        reading = self._readings.get(lane)
+        if reading is not None and reading.expires_at > time.monotonic():
+            backlog = reading.backlog  # the common case: no lock, no await
+        else:
+            backlog = await self.backlog(redis, lane)
         if backlog >= self.max_backlog:
             raise LaneFull(lane, backlog, self.max_backlog, self.retry_after_s)
 

@@ -8,13 +8,14 @@ everybody reads it through ``read_result``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from tidegate import keys
-from tidegate.event_log import EVENT_FIELD, entry_id
 from tidegate.protocol import Job, JobResult, QueuedEvent
 
 
@@ -29,38 +30,57 @@ class Claim:
 JOB_FIELD = "job"  # the one field of a lane stream entry: the Job's JSON
 
 
+# KEYS: job hash, job events, lane stream. ARGV: job JSON, queued event JSON, ttl_s, the lane's
+# MAXLEN, then field/value pairs for the job hash (owner, stream_token_hash). Returns 1, or 0
+# when the job already has a record: its first enqueue wrote the record and the lane entry
+# together, so a repeat (a retry after a lost reply, a batch step run again) queues nothing.
+# The queued event is the job's event 1, stored as entry 1-0 (event n is entry n-0), and is
+# written first: an events stream that somehow exists without its hash fails the script before
+# anything is written. The lane entry comes last, so a job visible to workers has its record.
+#
+# Redis Cluster: the job's keys ({job_id}) and the lane stream ({lane.partition}) lie in two
+# slots, and one script (or MULTI) may touch one slot only. There, run this script without its
+# last XADD against the job's keys, then XADD the lane entry once it returned 1: two round
+# trips, in that order (what enqueue did before it became one script).
+_ENQUEUE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('XADD', KEYS[2], '1-0', 'e', ARGV[2])
+redis.call('HSET', KEYS[1], 'job', ARGV[1], 'status', 'queued', unpack(ARGV, 5))
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'job', ARGV[1])
+return 1
+"""
+_ENQUEUE_SHA = hashlib.sha1(_ENQUEUE_LUA.encode()).hexdigest()
+
+
 async def enqueue(
     redis: aioredis.Redis, job: Job, *, partition: int = 0, ttl_s: int = keys.JOB_TTL_S,
     owner: str | None = None, stream_token_hash: str | None = None,
-) -> None:
-    """Record the job and its ``queued`` event, then put it on its lane stream.
+) -> bool:
+    """Record the job and its ``queued`` event, then put it on its lane stream: one script,
+    one round trip. False if the job id already had a record (nothing is written again).
 
     The job's keys share one slot and are written first, so a job visible to workers always
-    has its record; the lane stream lives in another slot and is written last. ``owner`` (the
-    submitting tenant) and ``stream_token_hash`` go into the job hash with the rest.
+    has its record; the lane stream lives in another slot and is written last (see the Cluster
+    note above the script). ``owner`` (the submitting tenant) and ``stream_token_hash`` go
+    into the job hash with the rest; the hash and the lane entry carry the same job JSON,
+    encoded once.
     """
-    queued = QueuedEvent(id=1, job_id=job.id, lane=job.lane)
-    record = {"job": job.model_dump_json(), "status": "queued"}
+    raw = job.model_dump_json()
+    queued = QueuedEvent(id=1, job_id=job.id, lane=job.lane).model_dump_json()
+    args: list[str | int] = [raw, queued, ttl_s, keys.LANE_MAXLEN]
     if owner is not None:
-        record["owner"] = owner
+        args += ["owner", owner]
     if stream_token_hash is not None:
-        record["stream_token_hash"] = stream_token_hash
-    pipe = redis.pipeline(transaction=True)
-    pipe.hset(keys.job_hash(job.id), mapping=record)
-    pipe.expire(keys.job_hash(job.id), ttl_s)
-    pipe.xadd(keys.job_events(job.id), {EVENT_FIELD: queued.model_dump_json()}, id=entry_id(1))
-    pipe.expire(keys.job_events(job.id), ttl_s)
-    # A job enqueued again under its id (a batch line re-queued after a crash) keeps its first
-    # ``queued`` event: Redis refuses a second entry 1-0, and that refusal is expected.
-    for reply in await pipe.execute(raise_on_error=False):
-        if isinstance(reply, Exception) and "equal or smaller" not in str(reply):
-            raise reply
-    await redis.xadd(
-        keys.lane_stream(job.lane, partition),
-        {JOB_FIELD: job.model_dump_json()},
-        maxlen=keys.LANE_MAXLEN,
-        approximate=True,
-    )
+        args += ["stream_token_hash", stream_token_hash]
+    names = (keys.job_hash(job.id), keys.job_events(job.id), keys.lane_stream(job.lane, partition))
+    try:
+        done = await redis.evalsha(_ENQUEUE_SHA, 3, *names, *args)
+    except NoScriptError:  # a fresh (or flushed) Redis: load it once, then as before
+        await redis.script_load(_ENQUEUE_LUA)
+        done = await redis.evalsha(_ENQUEUE_SHA, 3, *names, *args)
+    return bool(done)
 
 
 async def read_result(redis: aioredis.Redis, job_id: str) -> JobResult | None:

@@ -27,7 +27,7 @@ from benchmarks.serving.metrics import Dist, Slo, exactness_problem, generator_u
 from benchmarks.serving.workload import WORDS
 from tidegate import keys
 from tidegate.auth import ANONYMOUS, new_stream_token, tenant_of, token_hash
-from tidegate.jobstore import EVENT_FIELD
+from tidegate.event_log import EVENT_FIELD
 from tidegate.protocol import (
     DoneEvent,
     JobRequest,
