@@ -251,9 +251,15 @@ def run_work(bench: Bench, stack: Stack, endpoints: Endpoints, run: Run
     job_timeout_s = bench.timeout_s + max(work.offsets_s) + 60
     plans = [ClientPlan(endpoints, part, a.submit_concurrency, job_timeout_s)
              for part in shard(jobs, a.client_procs)]
+    before = stack.worker_time()
     load = run_load(plans, stack.cpu, stack.check_alive)
+    after = stack.worker_time()
     kind = "rate" if run.rate is not None else run.name
-    return summarize(kind, run.name, run.rate, load, bench.slo), load
+    summary = summarize(kind, run.name, run.rate, load, bench.slo)
+    summary.worker_time = {name: {k: round(v - before.get(name, {}).get(k, 0.0), 3)
+                                  for k, v in counters.items()}
+                           for name, counters in after.items()}
+    return summary, load
 
 
 def warm_up(bench: Bench, stack: Stack, endpoints: Endpoints, run: Run) -> RunSummary:

@@ -9,6 +9,9 @@
 #               installed to /tmp/site;
 #   .redisbin/  this machine's Debian redis-server with the shared libraries the image lacks,
 #               started through .redisbin/run-redis (LD_LIBRARY_PATH for redis-server alone).
+#   .tools/py-spy (optional): with PROFILE_S=N set, the worker is sampled for N seconds from
+#               the start of the first measured run, into $OUT/NAME-worker.raw (py-spy's
+#               collapsed stacks, every thread, GIL waits included).
 # Results: $OUT/NAME.json, $OUT/NAME.png, the processes' logs as $OUT/NAME-logs.tgz, and
 # everything printed in $OUT/session.log.
 set -uo pipefail
@@ -25,9 +28,20 @@ ulimit -n 65536 2>/dev/null || ulimit -n 8192
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cores: $(nproc); $(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
 .redisbin/run-redis --version || exit 1
+python3 -c "import redis, hiredis, pydantic, pydantic_settings, starlette, uvicorn, websockets, \
+httptools, gguf, tidegate.cli, worker.service, producer.api, streaming.gateway" || exit 1
 
 logs=/tmp/serve-logs-$name
 rm -rf "$logs"
+if [[ -n "${PROFILE_S:-}" && -x .tools/py-spy ]]; then
+  (  # once a worker runs and the log says a measured run began, sample it
+    until grep -qE "^(burst|rate [0-9.]+/s): [0-9]+ jobs" "$OUT/session.log" 2>/dev/null; do
+      sleep 0.5; done
+    pid=$(pgrep -f "tidegate.cli worker" | head -1)
+    [[ -n "$pid" ]] && .tools/py-spy record --pid "$pid" --duration "$PROFILE_S" --rate 200 \
+      --format raw --nonblocking --output "$OUT/$name-worker.raw" >/dev/null 2>&1
+  ) &
+fi
 # Whatever is left of the call's 10 minutes, less a margin for packing and the copy back.
 timeout $(( 570 - SECONDS )) python3 benchmarks/serve.py --redis-server .redisbin/run-redis \
   --logdir "$logs" --out "$OUT/$name.json" --plot "$OUT/$name.png" "$@"

@@ -275,7 +275,7 @@ def token_event_json(event_id: int, job_id: str, index: int, text: str,
                      token_ids: list[int]) -> str:
     """A ``token`` event's JSON without building a model (a worker writes thousands a step):
     the document ``TokenEvent(...).model_dump_json(exclude_none=True)`` gives."""
-    ids = ",".join(map(str, token_ids))
+    ids = str(token_ids[0]) if len(token_ids) == 1 else ",".join(map(str, token_ids))
     return (f'{{"id":{event_id},"job_id":"{job_id}","type":"token","index":{index},'
             f'"text":{_json_string(text)},"token_ids":[{ids}]}}')
 

@@ -74,6 +74,9 @@ class LoadShedder:
         self.config = config or ShedderConfig()
         self._decode: deque[tuple[int, float]] = deque(maxlen=self.config.window)
         self._prefill: deque[tuple[int, float]] = deque(maxlen=self.config.window)
+        # The step-time line through ``_decode`` (mean batch, mean time, slope, spread), kept
+        # until the next decode step: a burst's admissions ask for it once per job.
+        self._line: tuple[float, float, float, float] | None = None
 
     # ------------------------------------------------------------------ measurements
 
@@ -85,6 +88,7 @@ class LoadShedder:
         if prompt_tokens == 0:
             if decodes > 0:
                 self._decode.append((decodes, seconds))
+                self._line = None
             return
         decode_share = self.step_s(decodes) if decodes else 0.0
         self._prefill.append((prompt_tokens, max(seconds - decode_share, seconds * 0.1)))
@@ -100,13 +104,17 @@ class LoadShedder:
         pts = self._decode
         if not pts:
             return self.config.initial_step_s
-        n = len(pts)
-        mean_b = sum(b for b, _ in pts) / n
-        mean_t = sum(t for _, t in pts) / n
-        var = sum((b - mean_b) ** 2 for b, _ in pts)
+        if self._line is None:
+            n = len(pts)
+            mean_b = sum(b for b, _ in pts) / n
+            mean_t = sum(t for _, t in pts) / n
+            var = sum((b - mean_b) ** 2 for b, _ in pts)
+            slope = (max(0.0, sum((b - mean_b) * (t - mean_t) for b, t in pts) / var)
+                     if var else 0.0)
+            self._line = (mean_b, mean_t, slope, var)
+        mean_b, mean_t, slope, var = self._line
         if var == 0:  # one batch size seen so far: scale the time in proportion, at worst
             return mean_t * max(1.0, batch_size / mean_b)
-        slope = max(0.0, sum((b - mean_b) * (t - mean_t) for b, t in pts) / var)
         return max(mean_t + slope * (batch_size - mean_b), 1e-4)
 
     # ------------------------------------------------------------------ decision

@@ -9,6 +9,8 @@ README maps them), prefixed ``tidegate_``.
 
 from __future__ import annotations
 
+import threading
+import time
 from bisect import bisect_left
 from collections.abc import Iterator
 
@@ -59,6 +61,19 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("tidegate_num_preemptions",
                                   "Requests preempted (blocks freed, recomputed later).",
                                   engine.stats.preemptions)
+
+
+class _LoopCpuCollector(Collector):
+    """CPU time of the thread that created the metrics: the worker's event loop (intake,
+    publisher, cancels, heartbeats), read from that thread's clock at scrape time."""
+
+    def __init__(self) -> None:
+        self.clock = time.pthread_getcpuclockid(threading.get_ident())
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("tidegate_worker_loop_cpu_seconds",
+                                  "CPU time of the worker's event-loop thread.",
+                                  time.clock_gettime(self.clock))
 
 
 class CountingHistogram(Collector):
@@ -116,6 +131,22 @@ class WorkerMetrics:
             "tidegate_requests_finished", "Jobs ended, by outcome.", ["reason"], registry=r)
         for reason in OUTCOMES:  # every series exists from the start: rate() needs a zero
             self.finished.labels(reason=reason)
+        # Where the worker's time goes: engine steps against the service beside them (one
+        # Python lock serves both, so the service's CPU is what it can take from the engine).
+        self.step_seconds = Counter(
+            "tidegate_engine_step_seconds", "Wall time inside engine steps.", registry=r)
+        self.step_cpu_seconds = Counter(
+            "tidegate_engine_host_cpu_seconds",
+            "CPU time of the engine's thread inside steps (scheduling, inputs, outputs).",
+            registry=r)
+        self.publish_cpu_seconds = Counter(
+            "tidegate_publisher_cpu_seconds",
+            "CPU time recording engine outputs and encoding their events.", registry=r)
+        self.event_writes = Counter(
+            "tidegate_event_writes", "Event batches written to Redis.", registry=r)
+        self.events_written = Counter(
+            "tidegate_events_written", "Events written to Redis.", registry=r)
+        r.register(_LoopCpuCollector())
         if engine is not None:
             r.register(_EngineCollector(engine))
 

@@ -75,10 +75,12 @@ class ActiveJob:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     end: RequestOutput | None = None  # the output that finished it
     end_ms: int = 0
-    shard: int = -1  # its live channel (keys.live_shard), once known
+    job_id: str = ""  # job.id, kept at hand for the hot path
+    shard: int = -1  # its live channel (keys.live_shard)
 
     def __post_init__(self) -> None:
-        self.shard = keys.live_shard(self.job.id)
+        self.job_id = self.job.id
+        self.shard = keys.live_shard(self.job_id)
 
     def take_id(self) -> int:
         self.next_event_id += 1
@@ -132,6 +134,7 @@ class EventPublisher:
         """Note one step's outputs; the writer sends them with whatever else accumulated."""
         if not outputs:
             return
+        cpu = time.thread_time()
         stamp = now_ms()
         gaps: dict[int, int] = {}
         dirty = self._dirty
@@ -158,6 +161,7 @@ class EventPublisher:
         for gap, count in gaps.items():
             self.metrics.inter_token.observe(gap / 1000, count)
         self._wake_writer()
+        self.metrics.publish_cpu_seconds.inc(time.thread_time() - cpu)
 
     def fail(self, delivery: Delivery, next_event_id: int, *, code: str, message: str,
              rejected: bool = False) -> None:
@@ -234,10 +238,14 @@ class EventPublisher:
                     async with asyncio.timeout(delay):
                         await self._urgent.wait()
             self._urgent.clear()
+            cpu = time.thread_time()
             batch, finished = self._snapshot()
+            self.metrics.publish_cpu_seconds.inc(time.thread_time() - cpu)
             if batch:
                 await self._write(batch)
                 self.writes += 1
+                self.metrics.event_writes.inc()
+                self.metrics.events_written.inc(batch.events)
                 last = time.monotonic()
                 for job in finished:
                     self.on_finished(job)
@@ -295,32 +303,44 @@ class EventPublisher:
         return batch, finished
 
     def _job_events(self, batch: EventBatch, job: ActiveJob) -> None:
-        job_id = job.job.id
         if not job.announced:
-            job.announced = True
-            if job.restart_attempt is not None:
-                raw = RestartedEvent(id=job.next_event_id, job_id=job_id,
-                                     attempt=job.restart_attempt).model_dump_json()
-                batch.add_event(job_id, job.take_id(), "restarted", raw, job.shard)
-            raw = StartedEvent(id=job.next_event_id, job_id=job_id, worker=self.worker_id,
-                               prompt_tokens=job.prompt_tokens).model_dump_json()
-            batch.add_event(job_id, job.take_id(), "started", raw, job.shard)
-            batch.refresh_ttl(job_id)
+            self._announce(batch, job)
         if not job.token_ids:
             return
-        if job.logprobs:  # one event per token: each carries its own logprobs
-            for i, (token, text, lp) in enumerate(zip(job.token_ids, job.texts, job.logprobs,
-                                                      strict=True)):
-                event = TokenEvent(
-                    id=job.next_event_id, job_id=job_id, index=job.index + i, text=text,
-                    token_ids=[token], logprob=lp.logprob,
-                    top_logprobs=[TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-                batch.add_event(job_id, job.take_id(), "token",
-                                event.model_dump_json(exclude_none=True), job.shard)
-        else:
-            event_id = job.take_id()
-            batch.add_event(job_id, event_id, "token", token_event_json(
-                event_id, job_id, job.index, "".join(job.texts), job.token_ids), job.shard)
+        if job.logprobs:
+            self._logprob_events(batch, job)
+            return
+        # The hot path (every running job, every write): one event, its line built in place.
+        job_id, event_id, texts = job.job_id, job.next_event_id, job.texts
+        job.next_event_id = event_id + 1
+        raw = token_event_json(event_id, job_id, job.index,
+                               texts[0] if len(texts) == 1 else "".join(texts), job.token_ids)
+        batch.lines[job.shard].append(f"{job_id} {event_id} token {raw}")
+        batch.events += 1
+        job.token_ids, job.texts = [], []
+
+    def _announce(self, batch: EventBatch, job: ActiveJob) -> None:
+        job_id = job.job_id
+        job.announced = True
+        if job.restart_attempt is not None:
+            raw = RestartedEvent(id=job.next_event_id, job_id=job_id,
+                                 attempt=job.restart_attempt).model_dump_json()
+            batch.add_event(job_id, job.take_id(), "restarted", raw, job.shard)
+        raw = StartedEvent(id=job.next_event_id, job_id=job_id, worker=self.worker_id,
+                           prompt_tokens=job.prompt_tokens).model_dump_json()
+        batch.add_event(job_id, job.take_id(), "started", raw, job.shard)
+        batch.refresh_ttl(job_id)
+
+    def _logprob_events(self, batch: EventBatch, job: ActiveJob) -> None:
+        """One event per token: each carries its own logprobs."""
+        for i, (token, text, lp) in enumerate(zip(job.token_ids, job.texts, job.logprobs,
+                                                  strict=True)):
+            event = TokenEvent(
+                id=job.next_event_id, job_id=job.job_id, index=job.index + i, text=text,
+                token_ids=[token], logprob=lp.logprob,
+                top_logprobs=[TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+            batch.add_event(job.job_id, job.take_id(), "token",
+                            event.model_dump_json(exclude_none=True), job.shard)
         job.token_ids, job.texts, job.logprobs = [], [], []
 
     def _finish(self, batch: EventBatch, job: ActiveJob) -> None:

@@ -49,7 +49,7 @@ from worker.arrivals import IDLE_BLOCK_MS, Arrival, ArrivalIntake
 from worker.calibration import calibrate, timed_step
 from worker.cancel_listener import CancelListener
 from worker.cpu_tuning import keep_large_allocations
-from worker.engine import Engine, EngineConfig, EngineRequest, RequestError
+from worker.engine import Engine, EngineConfig, EngineRequest, RequestError, RequestOutput
 from worker.intake import Delivery, StreamIntake
 from worker.load_shedder import Commitments, Load, LoadShedder, ShedderConfig
 from worker.metrics import WorkerMetrics
@@ -175,7 +175,7 @@ class WorkerService:
         self._stop_jobs()
         self._admit_arrivals()
         if self.engine.has_unfinished():
-            outputs = await asyncio.to_thread(timed_step, self.engine, self.shedder)
+            outputs = await asyncio.to_thread(self._step)
             self.publisher.record(outputs, self.active)
             self._step_ended()
         else:
@@ -184,6 +184,14 @@ class WorkerService:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(1.0):
                         await self._work.wait()
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step (in the step thread), its wall and CPU time counted."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        outputs = timed_step(self.engine, self.shedder)
+        self.metrics.step_cpu_seconds.inc(time.thread_time() - cpu)
+        self.metrics.step_seconds.inc(time.perf_counter() - wall)
+        return outputs
 
     def _step_ended(self) -> None:
         full = self.engine.num_active >= self.engine.config.max_num_seqs

@@ -94,6 +94,10 @@ class RunSummary:
     engine_alone_tok_s: float | None = None
     ratio_to_engine_alone: float | None = None
     same_text_as_engine_alone: float | None = None  # share of jobs with identical text
+    # Per worker, its counters' growth over the run: seconds in engine steps, the engine
+    # thread's CPU in them, the event loop thread's CPU, the publisher's share of it, writes,
+    # events, tokens (worker/metrics.py).
+    worker_time: dict[str, dict[str, float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 

@@ -38,6 +38,17 @@ def table(runs: list[RunSummary]) -> str:
     return "\n".join(lines) + "\n(latencies in ms except E2E; goodput in jobs/s)"
 
 
+def worker_time_line(name: str, t: dict[str, float], duration_s: float) -> str:
+    """Where a worker's time went over the run."""
+    if not t or duration_s <= 0:
+        return f"  {name}: no time counters"
+    return (f"  {name}: in engine steps {t.get('engine_step_seconds', 0) / duration_s:.0%} of "
+            f"the run; engine thread CPU {t.get('engine_host_cpu_seconds', 0):.2f} s, event "
+            f"loop CPU {t.get('worker_loop_cpu_seconds', 0):.2f} s (publisher "
+            f"{t.get('publisher_cpu_seconds', 0):.2f} s); {t.get('event_writes', 0):.0f} "
+            f"writes, {t.get('events_written', 0):.0f} events")
+
+
 def run_details(s: RunSummary) -> str:
     """The lines under a run's row: what the table has no room for."""
     gen, stack = s.generator, ", ".join(f"{k} {v:.0%}" for k, v in s.stack_cpu_share.items())
@@ -58,6 +69,7 @@ def run_details(s: RunSummary) -> str:
                      f"{s.same_text_as_engine_alone:.0%} of jobs")
     if s.slo_goodput_jobs_s is not None:
         lines.append(f"  SLO goodput {s.slo_goodput_jobs_s:.2f} jobs/s")
+    lines += [worker_time_line(name, t, s.duration_s) for name, t in s.worker_time.items()]
     lines += [f"  not exact: {e}" for e in s.failure_examples]
     lines += [f"  note: {n}" for n in s.notes]
     return "\n".join(lines)

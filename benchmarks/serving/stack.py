@@ -119,6 +119,30 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# The worker's own accounting of its time (worker/metrics.py), read from its /metrics.
+WORKER_TIME_METRICS = ("tidegate_engine_step_seconds_total",
+                       "tidegate_engine_host_cpu_seconds_total",
+                       "tidegate_publisher_cpu_seconds_total",
+                       "tidegate_worker_loop_cpu_seconds_total",
+                       "tidegate_event_writes_total", "tidegate_events_written_total",
+                       "tidegate_generation_tokens_total")
+
+
+def worker_counters(port: int) -> dict[str, float]:
+    """The worker's time counters now (empty if its status port does not answer)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+    except (urllib.error.URLError, OSError):
+        return {}
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in WORKER_TIME_METRICS:
+            found[name.removeprefix("tidegate_").removesuffix("_total")] = float(value)
+    return found
+
+
 def http_ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as answer:
@@ -220,6 +244,10 @@ class Stack:
             if proc.poll() is not None:
                 raise StackError(f"{name} exited with {proc.returncode}; its log "
                                  f"({self.log_path(name)}) ends:\n" + log_tail(self.log_path(name)))
+
+    def worker_time(self) -> dict[str, dict[str, float]]:
+        """Each worker's time counters now (``worker_counters``)."""
+        return {name: worker_counters(port) for name, port in self.status_ports.items()}
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds so far of each stack process."""
