@@ -9,6 +9,7 @@
 #               installed to /tmp/site;
 #   .redisbin/  this machine's Debian redis-server with the shared libraries the image lacks,
 #               started through .redisbin/run-redis (LD_LIBRARY_PATH for redis-server alone).
+#   TESTS="..." (optional): pytest those first (the GPU tests), into $OUT/NAME-tests.xml.
 #   .tools/py-spy (optional): with PROFILE_S=N set, the worker is sampled for N seconds from
 #               the start of the first measured run, into $OUT/NAME-worker.raw (py-spy's
 #               collapsed stacks, every thread, GIL waits included).
@@ -30,6 +31,11 @@ echo "cores: $(nproc); $(python3 -c 'import torch, triton; print("torch", torch.
 .redisbin/run-redis --version || exit 1
 python3 -c "import redis, hiredis, pydantic, pydantic_settings, starlette, uvicorn, websockets, \
 httptools, gguf, tidegate.cli, worker.service, producer.api, streaming.gateway" || exit 1
+
+if [[ -n "${TESTS:-}" ]]; then  # GPU tests first (TESTS="tests/gpu ..."), two minutes at most
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default $TESTS \
+    --junitxml="$OUT/$name-tests.xml" 2>&1 | tail -25
+fi
 
 logs=/tmp/serve-logs-$name
 rm -rf "$logs"

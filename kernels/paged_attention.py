@@ -74,21 +74,31 @@ class PagedAttentionMetadata:
         """From host lists; num_decodes counts the leading sequences with one query token."""
         width = max((len(t) for t in block_tables), default=0)
         padded = [[*t, *[0] * (width - len(t))] for t in block_tables]
-        tables = torch.tensor(padded, dtype=torch.int32, device=device).view(len(padded), width)
+        tables = upload(padded, torch.int32, device).view(len(padded), width)
         num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
         return cls(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            slot_mapping=upload(slot_mapping, torch.int64, device),
             block_tables=tables,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(
-                [0, *accumulate(query_lens)], dtype=torch.int32, device=device
-            ),
+            seq_lens=upload(seq_lens, torch.int32, device),
+            query_start_loc=upload([0, *accumulate(query_lens)], torch.int32, device),
             num_decodes=num_decodes,
             max_seq_len=max(seq_lens, default=0),
             seq_lens_host=list(seq_lens),
             query_lens_host=list(query_lens),
-            decode_buckets=decode_buckets(list(seq_lens[:num_decodes]), device),
+            # Only the torch path on the CPU reads them (the CUDA kernels take any lengths).
+            decode_buckets=(decode_buckets(list(seq_lens[:num_decodes]), device)
+                            if torch.device(device).type == "cpu" else ()),
         )
+
+
+def upload(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A tensor of host values on ``device``. On a GPU it goes up from pinned memory without
+    blocking: a plain copy would wait for every step already queued, and a step queued ahead
+    of its predecessor's end is what keeps the GPU busy."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 MIN_DECODES_PER_BUCKET = 8

@@ -22,7 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import PagedAttentionMetadata, check_cache_layout, check_shapes
+from kernels.paged_attention import (
+    PagedAttentionMetadata,
+    check_cache_layout,
+    check_shapes,
+    upload,
+)
 
 # Keys per inner-loop step of the decode kernel, and the unit splits share the context in. On
 # an H200 (bf16, Hq 32, Hk 8, D 128) 64 beat 32 at every batch (up to 1.7x for few long
@@ -93,7 +98,9 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# ``stride_tb`` is the block table's width, which moves with the step's longest context: left
+# unspecialized, or each width crossing a multiple of 16 would compile the kernel anew mid-run.
+@triton.jit(do_not_specialize=["stride_tb"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,
@@ -175,7 +182,7 @@ def _decode_combine_kernel(
              out.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, seq_lens_ptr, query_start_ptr, tiles_ptr,
     qk_scale,
@@ -310,7 +317,7 @@ def paged_prefill_attention_triton(
     tiles = prefill_tiles(meta, PREFILL_BLOCK_M)
     if not tiles:
         return out
-    tile_table = torch.tensor(tiles, dtype=torch.int32).to(q.device, non_blocking=True)
+    tile_table = upload(tiles, torch.int32, q.device)
     hq, d = q.shape[1:]
     _prefill_kernel[(len(tiles), hq)](
         q, key_cache, value_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,

@@ -15,7 +15,7 @@ import torch
 
 from kernels import ops
 from kernels.native_cpu import native_kernels
-from kernels.paged_attention import PagedAttentionMetadata
+from kernels.paged_attention import PagedAttentionMetadata, upload
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker.models.llama import LlamaModel
 from worker.sampler import Sampler, SamplerLaunch, SamplerOutput
@@ -170,8 +170,9 @@ class ModelRunner:
             block_tables=block_tables, seq_lens=seq_lens, query_lens=query_lens,
             slot_mapping=slots, device=self.device,
         )
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return ModelInput(as_long(ids), as_long(positions), meta, as_long(sample_rows))
+        dev = self.device
+        return ModelInput(upload(ids, torch.long, dev), upload(positions, torch.long, dev), meta,
+                          upload(sample_rows, torch.long, dev))
 
     def free(self, request_id: str) -> None:
         self.sampler.free(request_id)

@@ -126,3 +126,28 @@ def test_a_graph_decode_step_synchronises_only_to_read_the_tokens() -> None:
     assert len(outs) == 5
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
     assert len(syncs) <= 1, syncs
+
+
+def test_a_mixed_step_is_queued_without_waiting_for_the_gpu() -> None:
+    """A step of decodes and a new prompt's chunk runs eagerly; its inputs go up from pinned
+    memory without blocking, so the only wait is the read of the previous step's tokens."""
+    loaded = load_model("random:smollm2-135m", device="cuda", dtype=torch.bfloat16)
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
+        max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=512, kv_cache_gb=0.5))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(EngineRequest(f"r{i}", [100 + i] * 20, params))
+    engine.step()
+    engine.step()  # the prefill's tokens read; decodes launched
+    for i in range(2):  # new prompts: the next step is mixed (decodes and prefill chunks)
+        engine.add_request(EngineRequest(f"n{i}", [200 + i] * 40, params))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) <= 1, syncs
