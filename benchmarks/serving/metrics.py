@@ -84,7 +84,12 @@ class RunSummary:
     goodput_jobs_s: float
     slo_goodput_jobs_s: float | None
     offered_output_tok_s: float | None
-    delivered_share: float | None
+    delivered_share: float | None  # output tok/s over the whole run (its ramp and tail too)
+    # Poisson runs: the output tokens/s received while the pipeline was full (from the first
+    # arrival plus the median E2E to the last arrival) against the tokens/s the sample's
+    # arrivals offered: ~1.0 when the stack keeps up, below when a backlog grows; None when
+    # that window is under 2 s.
+    steady_delivered_share: float | None
     exact: bool
     exact_failures: int
     failure_examples: list[str]
@@ -248,7 +253,7 @@ def summarize(kind: str, label: str, rate: float | None, load: LoadResult,
         submit_lag_ms=_ms(r.t_sent - r.t_scheduled for r in recs if r.t_sent),
         goodput_jobs_s=round(len(in_time) / duration, 3),
         slo_goodput_jobs_s=_slo_goodput(in_time, slo, duration),
-        offered_output_tok_s=None, delivered_share=None,
+        offered_output_tok_s=None, delivered_share=None, steady_delivered_share=None,
         # Without a deadline every job must be accepted and complete exactly.
         exact=not problems and (slo.deadline_given or len(accepted) == len(recs)),
         exact_failures=len(problems),
@@ -267,7 +272,30 @@ def summarize(kind: str, label: str, rate: float | None, load: LoadResult,
         offered = rate * float(np.mean([r.output_len for r in recs]))
         summary.offered_output_tok_s = round(offered, 1)
         summary.delivered_share = round(summary.output_tok_s / offered, 3)
+        # Against the sample's own arrivals: a short Poisson sample comes off its rate.
+        actual = (summary.arrival_rate or rate) * float(np.mean([r.output_len for r in recs]))
+        summary.steady_delivered_share = _steady_share(recs, followed, actual)
     return summary
+
+
+STEADY_MIN_S = 2.0
+
+
+def _steady_share(recs: list[JobRecord], followed: list[JobRecord], offered: float
+                  ) -> float | None:
+    """Tokens received per second while the pipeline was full, over the tokens/s offered to
+    the followed jobs (``steady_delivered_share``)."""
+    e2e = [e2e_s(r) for r in followed if final_status(r) == "done"]
+    if not e2e or not followed:
+        return None
+    t0 = min(r.t_scheduled for r in recs) + float(np.median(e2e))
+    t1 = max(r.t_scheduled for r in recs)
+    if t1 - t0 < STEADY_MIN_S:
+        return None
+    received = sum(n for r in followed
+                   for t, n in zip(r.trace.token_times, r.trace.token_counts, strict=True)  # type: ignore[union-attr]
+                   if t0 <= t <= t1)
+    return round(received / (t1 - t0) / (offered * len(followed) / len(recs)), 3)
 
 
 def _arrival_rate(recs: list[JobRecord]) -> float | None:

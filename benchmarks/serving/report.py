@@ -61,8 +61,11 @@ def run_details(s: RunSummary) -> str:
              f"(busiest {gen['busiest_process_share']:.0%}); submit lag p99 "
              f"{_num(s.submit_lag_ms.p99, '.1f')} ms; stack CPU: {stack}"]
     if s.offered_output_tok_s is not None:
+        steady = ("-" if s.steady_delivered_share is None
+                  else f"{s.steady_delivered_share:.0%}")
         lines.append(f"  offered {s.offered_output_tok_s:.0f} out tok/s, delivered "
-                     f"{s.delivered_share:.0%} (arrivals came to {s.arrival_rate} req/s)")
+                     f"{s.delivered_share:.0%} over the run, {steady} while the pipeline was "
+                     f"full (arrivals came to {s.arrival_rate} req/s)")
     if s.engine_alone_tok_s is not None:
         lines.append(f"  engine alone {s.engine_alone_tok_s:.0f} out tok/s: the stack delivers "
                      f"{s.ratio_to_engine_alone:.2f}x; same text as the engine alone: "
