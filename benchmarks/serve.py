@@ -145,6 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--only", nargs="+", choices=SECTIONS)
     g.add_argument("--capacity-check", action="store_true", help="= --only capacity")
     g.add_argument("--no-engine-alone", action="store_true")
+    g.add_argument("--engine-alone-rates", action="store_true",
+                   help="also run the engine alone on each Poisson run's arrival schedule")
     g.add_argument("--capacity-submits", type=int)
     g.add_argument("--capacity-streams", type=int)
     g.add_argument("--capacity-stream-tokens", type=int)
@@ -278,9 +280,13 @@ def attach_engine_alone(summary: RunSummary, alone: dict, load: LoadResult) -> N
     (greedy either way; batches differ, so a near-tie may break differently)."""
     summary.engine_alone_tok_s = alone["output_tok_s"]
     summary.ratio_to_engine_alone = round(summary.output_tok_s / alone["output_tok_s"], 3)
-    stored = [(r.result or {}).get("text") for r in load.records]
-    same = [t == a for t, a in zip(stored, alone["texts"], strict=True) if t is not None]
-    summary.same_text_as_engine_alone = round(sum(same) / len(same), 3) if same else None
+    if "texts" in alone:  # a burst: the same prompts, all at once
+        stored = [(r.result or {}).get("text") for r in load.records]
+        same = [t == a for t, a in zip(stored, alone["texts"], strict=True) if t is not None]
+        summary.same_text_as_engine_alone = round(sum(same) / len(same), 3) if same else None
+    else:  # a Poisson run: the engine's own latencies on the same schedule, to compare
+        summary.engine_alone = {k: alone[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms",
+                                                      "steady_delivered_share")}
 
 
 # ---------------------------------------------------------------- the run
@@ -293,11 +299,15 @@ def run(bench: Bench, logdir: Path) -> dict:
                  "config": dict(vars(a)), "sections": bench.sections,
                  "prompts": {r.name: prompt_stats(r.work) for r in runs},
                  "capacity": {}, "runs": []}
-    alone = None
-    if runs and runs[0].name == "burst" and not a.no_engine_alone:
-        print(f"engine alone: {len(runs[0].work)} requests ...", flush=True)
-        alone = run_engine_alone(bench.stack, runs[0].work, bench.timeout_s, logdir)
-        out["engine_alone"] = {k: v for k, v in alone.items() if k != "texts"}
+    works = {} if a.no_engine_alone else {
+        r.name: (r.work, r.rate is not None) for r in runs
+        if r.name == "burst" or (r.rate is not None and a.engine_alone_rates)}
+    alone: dict[str, dict] = {}
+    if works:
+        print(f"engine alone: {', '.join(works)} ...", flush=True)
+        alone = run_engine_alone(bench.stack, works, bench.timeout_s, logdir)
+        out["engine_alone"] = {name: {k: v for k, v in r.items() if k != "texts"}
+                               for name, r in alone.items()}
     with Stack(bench.stack, logdir) as stack:
         stack.start_front()
         endpoints = Endpoints(stack.api_port, stack.gateway_port, bench.stack.api_key)
@@ -312,8 +322,8 @@ def run(bench: Bench, logdir: Path) -> dict:
         for run in runs:
             print(f"{run.name}: {len(run.work)} jobs ...", flush=True)
             summary, load = run_work(bench, stack, endpoints, run)
-            if run.name == "burst" and alone is not None:
-                attach_engine_alone(summary, alone, load)
+            if run.name in alone:
+                attach_engine_alone(summary, alone[run.name], load)
             out["runs"].append(summary)
             if a.save_detailed:
                 out.setdefault("jobs", {})[run.name] = job_details(load)

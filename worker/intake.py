@@ -55,6 +55,7 @@ class StreamIntake:
         self.consumer = consumer
         # Lanes in priority order; each lane may be split into partitions.
         self.streams = [keys.lane_stream(lane, p) for lane in lanes for p in range(partitions)]
+        self._empty = False  # the last read found nothing
 
     async def ensure_groups(self) -> None:
         for stream in self.streams:
@@ -65,14 +66,19 @@ class StreamIntake:
                     raise
 
     async def read(self, count: int, *, block_ms: int) -> list[Delivery]:
-        """Up to ``count`` new jobs, higher-priority streams first; block only if none."""
+        """Up to ``count`` new jobs, higher-priority streams first; block only if none.
+
+        After a read that found the streams empty, the next one blocks at once: jobs that
+        trickle in then cost one read each, not a look at every stream first."""
         got: list[Delivery] = []
-        for stream in self.streams:
-            if len(got) >= count:
-                break
-            got += await self._read({stream: ">"}, count - len(got), None)
+        if not self._empty or block_ms <= 0:
+            for stream in self.streams:
+                if len(got) >= count:
+                    break
+                got += await self._read({stream: ">"}, count - len(got), None)
         if not got and block_ms > 0:
             got = await self._read({s: ">" for s in self.streams}, 1, block_ms)
+        self._empty = not got
         return got
 
     async def _read(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -46,19 +46,36 @@ class Estimate:
 
 class Commitments:
     """(tokens still to generate, seconds left) of every admitted job, and a bound on them all
-    that answers most checks at once: a burst of N admissions costs O(N), not O(N^2)."""
+    that answers most checks at once: a burst of N admissions costs O(N), not O(N^2).
 
-    def __init__(self, items: Iterable[tuple[int, float]] = ()) -> None:
-        self.items: list[tuple[int, float]] = []
-        self.max_left = 0
-        self.min_time_s = math.inf
+    The caller may give the bound itself (an upper bound on the tokens left, a lower bound on
+    the seconds left) and the items as a function, called only when the bound cannot decide:
+    an admission into a large batch then costs O(1), not a pass over the batch.
+    """
+
+    def __init__(self, items: Iterable[tuple[int, float]] = (), *,
+                 bound: tuple[int, float] | None = None,
+                 exact: Callable[[], Iterable[tuple[int, float]]] | None = None) -> None:
+        self.max_left, self.min_time_s = bound if bound is not None else (0, math.inf)
+        self._exact = exact
+        self._items: list[tuple[int, float]] | None = None if exact is not None else []
+        self._added: list[tuple[int, float]] = []
         for left, time_s in items:
             self.add(left, time_s)
 
     def add(self, left: int, time_s: float) -> None:
-        self.items.append((left, time_s))
+        self._added.append((left, time_s))
+        if self._items is not None:
+            self._items.append((left, time_s))
         self.max_left = max(self.max_left, left)
         self.min_time_s = min(self.min_time_s, time_s)
+
+    @property
+    def items(self) -> list[tuple[int, float]]:
+        if self._items is None:
+            assert self._exact is not None
+            self._items = [*self._exact(), *self._added]
+        return self._items
 
     def hold(self, prefill_s: float, step_s: float, safety: float) -> bool:
         """Whether every job still finishes in time after ``prefill_s`` more prompt work and

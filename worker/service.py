@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -101,7 +102,11 @@ class WorkerService:
             wake=self._work)
         self.active: dict[str, ActiveJob] = {}
         self._load_at = 0.0
-        self._next_deadline_ms = 0
+        self._next_deadline_ms = 0  # when the deadline scan is next due
+        # Bounds over the running jobs for admission: no job's deadline is earlier, none has
+        # more tokens left (stale ones only err towards the exact check).
+        self._min_deadline_ms = math.inf
+        self._max_tokens_bound = 0
         self._early_cancels: dict[str, float] = {}  # cancels of jobs not admitted yet
         self._drain_until: float | None = None
 
@@ -202,6 +207,8 @@ class WorkerService:
     def _finished(self, job: ActiveJob) -> None:
         """The publisher stored the job's result and acked it."""
         self.active.pop(job.job.id, None)
+        if not self.active:
+            self._min_deadline_ms, self._max_tokens_bound = math.inf, 0
 
     def _held_job_ids(self) -> list[str]:
         return [*self.active, *(a.job.id for a in self.arrivals.arrivals)]
@@ -244,6 +251,7 @@ class WorkerService:
                 else:
                     upcoming.append(job.job.deadline_ms)
             self._next_deadline_ms = min(upcoming, default=now + 1000)
+            self._min_deadline_ms = min(upcoming, default=math.inf)
         cancels = self.cancels.take()
         if cancels or self._early_cancels:
             t = time.monotonic()
@@ -263,10 +271,16 @@ class WorkerService:
         if not arrivals:
             return
         load = self._admission_load()
-        left = self.engine.tokens_left()
         now = now_ms()
-        commitments = Commitments((left.get(job_id, 0), (job.job.deadline_ms - now) / 1000)
-                                  for job_id, job in self.active.items() if job.end is None)
+
+        def exact() -> list[tuple[int, float]]:
+            left = self.engine.tokens_left()
+            return [(left.get(job_id, 0), (job.job.deadline_ms - now) / 1000)
+                    for job_id, job in self.active.items() if job.end is None]
+
+        # Bounds kept as jobs come and go: the pass over the batch only when they can't decide.
+        commitments = Commitments(bound=(self._max_tokens_bound,
+                                         (self._min_deadline_ms - now) / 1000), exact=exact)
         for arrival in arrivals:
             load = self._admit(arrival, load, commitments, now)
 
@@ -305,6 +319,8 @@ class WorkerService:
         publisher.announce(active)
         commitments.add(job.sampling.max_tokens, time_left)
         self._next_deadline_ms = min(self._next_deadline_ms, job.deadline_ms)
+        self._min_deadline_ms = min(self._min_deadline_ms, job.deadline_ms)
+        self._max_tokens_bound = max(self._max_tokens_bound, job.sampling.max_tokens)
         return Load(load.batch_size + 1, load.prefill_tokens_ahead + n_prompt, load.max_num_seqs,
                     load.seat_wait_s)
 

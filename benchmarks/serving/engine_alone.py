@@ -7,9 +7,12 @@ the two must never overlap):
     python -m benchmarks.serving.engine_alone SPEC.json OUT.json
 
 The model and the engine come from the worker's own ``build_engine``, warmed up by its own
-``calibrate``; then every prompt's token ids are added at once
-with the submit's sampling (greedy, ``ignore_eos``, ``max_tokens`` = output length) and the
-engine steps until all finish. Output tok/s = generated tokens / wall time from the first add.
+``calibrate``, loaded once for every run of the spec. A burst adds every prompt's token ids at
+once, with the submit's sampling (greedy, ``ignore_eos``, ``max_tokens`` = output length), and
+steps until all finish: output tok/s = generated tokens / wall time from the first add. A
+Poisson run adds each request at its arrival offset (the schedule the stack's load generator
+submits on) and steps while anything runs: the same latencies as the stack's, measured from
+each arrival, and the tokens/s it keeps up with while its pipeline is full.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from benchmarks.serving.metrics import Dist
@@ -69,6 +73,62 @@ def run(engine: Engine, prompts: list[list[int]], output_lens: list[int],
     }
 
 
+def run_arrivals(engine: Engine, prompts: list[list[int]], output_lens: list[int],
+                 offsets_s: list[float], timeout_s: float, *, cuda: bool) -> dict[str, object]:
+    """Each request added at its arrival offset; steps while any runs."""
+    order = sorted(range(len(prompts)), key=offsets_s.__getitem__)
+    arrival: dict[str, float] = {}
+    first: dict[str, float] = {}
+    finished: dict[str, tuple[float, int]] = {}
+    produced: list[tuple[float, int]] = []  # (time, tokens) per step
+    t0 = time.perf_counter()
+    nxt = 0
+    while nxt < len(order) or engine.has_unfinished():
+        now = time.perf_counter()
+        while nxt < len(order) and t0 + offsets_s[order[nxt]] <= now:
+            i = order[nxt]
+            rid = f"bench-{i}"
+            params = SamplingParams(max_tokens=output_lens[i], temperature=0.0, ignore_eos=True)
+            engine.add_request(EngineRequest(rid, prompts[i], params,
+                                             deadline_ms=now_ms() + int(1000 * timeout_s)))
+            arrival[rid] = t0 + offsets_s[i]
+            nxt += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, t0 + offsets_s[order[nxt]] - time.perf_counter()))
+            continue
+        outputs = engine.step()
+        now = time.perf_counter()
+        made = 0
+        for out in outputs:
+            if out.token_id is not None:
+                first.setdefault(out.request_id, now)
+                made += 1
+            if out.finish_reason is not None:
+                finished[out.request_id] = (now, out.num_output_tokens)
+        produced.append((now, made))
+    if cuda:
+        torch.cuda.synchronize()
+    ids = list(arrival)
+    tokens = sum(finished[r][1] for r in ids)
+    wall = max(f for f, _ in finished.values()) - t0
+    e2e = [finished[r][0] - arrival[r] for r in ids]
+    # While the pipeline is full: from the first arrival plus the median E2E to the last one.
+    lo, hi = t0 + min(offsets_s) + float(np.median(e2e)), t0 + max(offsets_s)
+    span = max(offsets_s) - min(offsets_s)
+    offered = (len(ids) - 1) / span * float(np.mean(output_lens)) if span > 0 else 0.0
+    steady = (round(sum(n for t, n in produced if lo <= t <= hi) / (hi - lo) / offered, 3)
+              if hi - lo >= 2.0 and offered > 0 else None)
+    tpot = [(finished[r][0] - first[r]) / (finished[r][1] - 1) for r in ids
+            if r in first and finished[r][1] > 1]
+    return {
+        "requests": len(ids), "output_tokens": tokens, "wall_s": round(wall, 3),
+        "output_tok_s": round(tokens / wall, 1), "steady_delivered_share": steady,
+        "ttft_ms": asdict(Dist.of([1000 * (first[r] - arrival[r]) for r in ids if r in first])),
+        "tpot_ms": asdict(Dist.of([1000 * x for x in tpot])),
+        "e2e_ms": asdict(Dist.of([1000 * x for x in e2e])),
+    }
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     settings = load_settings()
@@ -79,14 +139,22 @@ def main(spec_path: str, out_path: str) -> None:
     calibrate(engine, LoadShedder(ShedderConfig(enabled=settings.load_shedding,
                                                 safety=settings.shedding_safety)))
     warm_s = time.perf_counter() - t0
-    result = run(engine, spec["prompts"], spec["output_lens"], spec["timeout_s"],
-                 cuda=settings.device.startswith("cuda"))
-    result |= {"load_s": round(load_s, 2), "warmup_s": round(warm_s, 2),
-               "device": settings.device, "kv_cache": engine.kv_spec.describe(),
-               "engine_config": {k: v for k, v in asdict(engine.config).items()}}
-    Path(out_path).write_text(json.dumps(result))
-    print(f"engine alone: {result['output_tok_s']} output tok/s "
-          f"({result['output_tokens']} tokens in {result['wall_s']} s)", flush=True)
+    cuda = settings.device.startswith("cuda")
+    results = {}
+    for name, work in spec["runs"].items():
+        if work.get("offsets_s") is None:
+            result = run(engine, work["prompts"], work["output_lens"], spec["timeout_s"],
+                         cuda=cuda)
+        else:
+            result = run_arrivals(engine, work["prompts"], work["output_lens"],
+                                  work["offsets_s"], spec["timeout_s"], cuda=cuda)
+        print(f"engine alone, {name}: {result['output_tok_s']} output tok/s "
+              f"({result['output_tokens']} tokens in {result['wall_s']} s)", flush=True)
+        results[name] = result | {"load_s": round(load_s, 2), "warmup_s": round(warm_s, 2),
+                                  "device": settings.device,
+                                  "kv_cache": engine.kv_spec.describe(),
+                                  "engine_config": dict(asdict(engine.config).items())}
+    Path(out_path).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

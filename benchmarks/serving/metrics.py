@@ -99,6 +99,9 @@ class RunSummary:
     engine_alone_tok_s: float | None = None
     ratio_to_engine_alone: float | None = None
     same_text_as_engine_alone: float | None = None  # share of jobs with identical text
+    # Poisson runs with --engine-alone-rates: the engine alone's TTFT, TPOT, E2E and steady
+    # delivered share on the same arrival schedule.
+    engine_alone: dict[str, object] = field(default_factory=dict)
     # Per worker, its counters' growth over the run: seconds in engine steps, the engine
     # thread's CPU in them, the event loop thread's CPU, the publisher's share of it, writes,
     # events, tokens (worker/metrics.py).

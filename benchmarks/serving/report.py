@@ -66,10 +66,18 @@ def run_details(s: RunSummary) -> str:
         lines.append(f"  offered {s.offered_output_tok_s:.0f} out tok/s, delivered "
                      f"{s.delivered_share:.0%} over the run, {steady} while the pipeline was "
                      f"full (arrivals came to {s.arrival_rate} req/s)")
-    if s.engine_alone_tok_s is not None:
+    if s.engine_alone_tok_s is not None and s.same_text_as_engine_alone is not None:
         lines.append(f"  engine alone {s.engine_alone_tok_s:.0f} out tok/s: the stack delivers "
                      f"{s.ratio_to_engine_alone:.2f}x; same text as the engine alone: "
                      f"{s.same_text_as_engine_alone:.0%} of jobs")
+    if s.engine_alone:
+        e = s.engine_alone
+        steady = e.get("steady_delivered_share")
+        lines.append(f"  engine alone on the same arrivals: {s.engine_alone_tok_s:.0f} out "
+                     f"tok/s ({s.ratio_to_engine_alone:.2f}x), TTFT p50/p99 "
+                     f"{_pair(Dist(**e['ttft_ms']))} ms, TPOT p50/p99 "
+                     f"{_pair(Dist(**e['tpot_ms']))} ms, "
+                     f"delivered {'-' if steady is None else f'{steady:.0%}'} while full")
     if s.slo_goodput_jobs_s is not None:
         lines.append(f"  SLO goodput {s.slo_goodput_jobs_s:.2f} jobs/s")
     lines += [worker_time_line(name, t, s.duration_s) for name, t in s.worker_time.items()]

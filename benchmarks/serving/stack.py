@@ -275,12 +275,17 @@ class Stack:
         self.close()
 
 
-def run_engine_alone(cfg: StackConfig, work: Work, timeout_s: float, logdir: Path) -> dict:
-    """The engine alone on ``work`` (``benchmarks.serving.engine_alone``) in a subprocess with
-    worker 0's environment; it has exited, its memory freed, when this returns."""
+def run_engine_alone(cfg: StackConfig, works: dict[str, tuple[Work, bool]], timeout_s: float,
+                     logdir: Path) -> dict[str, dict]:
+    """The engine alone on each work (``benchmarks.serving.engine_alone``; the flag: on its
+    arrival schedule, else all at once) in one subprocess with worker 0's environment; it
+    has exited, its memory freed, when this returns. Results by the works' names."""
     spec, out = logdir / "engine_alone_spec.json", logdir / "engine_alone_out.json"
-    spec.write_text(json.dumps({"prompts": [list(p.token_ids) for p in work.prompts],
-                                "output_lens": work.output_lens, "timeout_s": timeout_s}))
+    spec.write_text(json.dumps({"timeout_s": timeout_s, "runs": {
+        name: {"prompts": [list(p.token_ids) for p in work.prompts],
+               "output_lens": work.output_lens,
+               "offsets_s": work.offsets_s if on_schedule else None}
+        for name, (work, on_schedule) in works.items()}}))
     env = worker_env(cfg, 0, "redis://127.0.0.1:1/0", 0)  # it never touches Redis
     proc = spawn([sys.executable, "-m", "benchmarks.serving.engine_alone", str(spec), str(out)],
                  env, logdir / "engine_alone.log")
