@@ -45,7 +45,7 @@ def test_quick_run_measures_every_job_exactly_beside_the_engine_alone(tmp_path: 
         assert run["ttft_ms"]["n"] == 20 and run["tpot_ms"]["p99"] > 0
         assert set(run["stack_cpu_share"]) == {"redis", "api", "gateway", "worker0"}
     assert burst["engine_alone_tok_s"] > 0 and burst["ratio_to_engine_alone"] > 0
-    assert result["engine_alone"]["output_tokens"] == 20 * 16
+    assert result["engine_alone"]["burst"]["output_tokens"] == 20 * 16
     assert result["prompts"]["burst"]["input_tokens_min"] == 32  # --quick's input length
     follow = result["capacity"]["follow"]
     assert follow["exact"] and follow["tokens"] == 10 * 16
