@@ -1,0 +1,39 @@
+"""Start-up calibration: any number of seats, and none of its work in the engine's counters."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.calibration import calibrate
+from worker.engine import Engine, EngineConfig
+from worker.load_shedder import LoadShedder
+from worker.loader import LoadedModel, load_model
+from worker.metrics import WorkerMetrics
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("random:tiny")
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 1024, 2048])
+def test_calibration_runs_at_any_seat_count_and_leaves_the_counters_at_zero(
+        tiny: LoadedModel, max_num_seqs: int) -> None:
+    engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(
+        max_model_len=2048, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
+        kv_cache_gb=0.25))
+    shedder = LoadShedder()
+    calibrate(engine, shedder)
+    assert not engine.has_unfinished()
+    # The shedder learned this device's rates ...
+    assert shedder.step_s(max_num_seqs) != shedder.config.initial_step_s
+    assert shedder.prefill_tok_s() != shedder.config.initial_prefill_tok_s
+    # ... and nothing of the warm-up shows in what the worker exports.
+    stats = engine.stats
+    assert (stats.steps, stats.decode_tokens, stats.prompt_tokens_computed,
+            stats.preemptions) == (0, 0, 0, 0)
+    registry = WorkerMetrics(engine).registry
+    samples = {s.name: s.value for m in registry.collect() for s in m.samples}
+    assert samples["tidegate_prefix_cache_queries_total"] == 0
+    assert samples["tidegate_prefix_cache_hits_total"] == 0
+    assert samples["tidegate_num_preemptions_total"] == 0
