@@ -116,7 +116,7 @@ class EventBatch:
                   shard: int | None = None) -> None:
         """``shard``: the job's ``keys.live_shard``, when the caller keeps it."""
         self.lines[keys.live_shard(job_id) if shard is None else shard].append(
-            f"{job_id} {event_id} {kind} {raw}")
+            live_line(job_id, event_id, kind, raw))
         self.events += 1
 
     def set_fields(self, job_id: str, fields: dict[str, str]) -> None:

@@ -169,14 +169,8 @@ return 'cancelled'
 """
 
 
-async def claim_for_run(redis: aioredis.Redis, job_id: str, worker_id: str) -> Claim:
-    """Mark the job running unless it already ended or was cancelled."""
-    [claim] = await claim_many(redis, [job_id], worker_id)
-    return claim
-
-
 async def claim_many(redis: aioredis.Redis, job_ids: list[str], worker_id: str) -> list[Claim]:
-    """``claim_for_run`` for several jobs in one round trip."""
+    """Mark each job running unless it already ended or was cancelled: one round trip."""
     if not job_ids:
         return []
     script = redis.register_script(_CLAIM_LUA)  # EVALSHA: the body travels once, if at all

@@ -133,7 +133,7 @@ class ModelRunner:
         tokens = previous.token_ids
 
         def fill(input_ids: torch.Tensor) -> None:
-            index = _to_device([at, source], input_ids.device)  # [2, P]
+            index = upload([at, source], torch.long, input_ids.device)  # [2, P]
             input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
 
         return fill
@@ -182,12 +182,3 @@ def _first_input(chunk: ScheduledChunk) -> int:
     """The chunk's first input token; 0 stands in for one still pending (filled on device)."""
     seq = chunk.seq
     return seq.token_at(chunk.start) if chunk.start < seq.num_known else 0
-
-
-def _to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """An int64 tensor on ``device``; on a GPU copied from pinned memory without blocking the
-    host (a blocking copy would wait for every step already queued)."""
-    host = torch.tensor(rows, dtype=torch.long)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)

@@ -113,7 +113,6 @@ class EventPublisher:
         self.on_finished = on_finished  # a finished job's result is stored and acked
         self.healthy = asyncio.Event()  # the last write succeeded
         self.healthy.set()
-        self.writes = 0
         self._write_since: float | None = None  # monotonic start of the write in flight
         self._dirty: dict[str, ActiveJob] = {}  # jobs with something unwritten, in order
         self._endings: list[Ending] = []
@@ -243,7 +242,6 @@ class EventPublisher:
             self.metrics.publish_cpu_seconds.inc(time.thread_time() - cpu)
             if batch:
                 await self._write(batch)
-                self.writes += 1
                 self.metrics.event_writes.inc()
                 self.metrics.events_written.inc(batch.events)
                 last = time.monotonic()

@@ -102,9 +102,9 @@ class WorkerService:
             wake=self._work)
         self.active: dict[str, ActiveJob] = {}
         self._load_at = 0.0
-        self._next_deadline_ms = 0  # when the deadline scan is next due
-        # Bounds over the running jobs for admission: no job's deadline is earlier, none has
-        # more tokens left (stale ones only err towards the exact check).
+        # Bounds over the running jobs: no job's deadline is earlier (the deadline scan is due
+        # then), none has more tokens left. Stale ones only bring the scan, or admission's
+        # exact check, early.
         self._min_deadline_ms = math.inf
         self._max_tokens_bound = 0
         self._early_cancels: dict[str, float] = {}  # cancels of jobs not admitted yet
@@ -241,7 +241,7 @@ class WorkerService:
     def _stop_jobs(self) -> None:
         """Deadlines and cancel requests: abort at this boundary."""
         now = now_ms()
-        if self.active and now >= self._next_deadline_ms:
+        if self.active and now >= self._min_deadline_ms:
             upcoming = []
             for job_id, job in self.active.items():
                 if job.end is not None:
@@ -250,7 +250,6 @@ class WorkerService:
                     self.engine.abort(job_id, "deadline")
                 else:
                     upcoming.append(job.job.deadline_ms)
-            self._next_deadline_ms = min(upcoming, default=now + 1000)
             self._min_deadline_ms = min(upcoming, default=math.inf)
         cancels = self.cancels.take()
         if cancels or self._early_cancels:
@@ -318,7 +317,6 @@ class WorkerService:
         self.engine.add_request(request)
         publisher.announce(active)
         commitments.add(job.sampling.max_tokens, time_left)
-        self._next_deadline_ms = min(self._next_deadline_ms, job.deadline_ms)
         self._min_deadline_ms = min(self._min_deadline_ms, job.deadline_ms)
         self._max_tokens_bound = max(self._max_tokens_bound, job.sampling.max_tokens)
         return Load(load.batch_size + 1, load.prefill_tokens_ahead + n_prompt, load.max_num_seqs,
