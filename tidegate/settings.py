@@ -40,7 +40,9 @@ class Settings(BaseSettings):
     torch_threads: int | None = Field(default=None, ge=1)
     # A job pending this long without its worker refreshing it is reclaimed by another worker.
     visibility_timeout_s: float = Field(default=30.0, gt=0)
-    max_deliveries: int = Field(default=3, ge=1, description="then the dead-letter stream")
+    max_deliveries: int = Field(
+        default=3, ge=1,
+        description="deliveries in a row that end before a token, then the dead-letter stream")
     drain_timeout_s: float = Field(default=30.0, ge=0, description="SIGTERM grace period")
     default_timeout_s: float = Field(default=300.0, gt=0)
     host: str = "127.0.0.1"
