@@ -20,7 +20,9 @@ import redis.asyncio as aioredis
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
+from producer import Client
 from producer.admission import Admission
+from producer.errors import QueueFull, RateLimitExceeded
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tests.producer.test_openai_api import ScriptedWorker
@@ -175,6 +177,17 @@ async def test_refusals_are_counted_in_metrics_by_tenant_and_limit(
     assert count(metrics) == before + 3
     assert "# TYPE tidegate_rate_limited_total counter" in metrics
     assert KEY_SLOW not in metrics
+
+
+async def test_the_python_client_raises_rate_limit_exceeded_naming_the_limit(api: str) -> None:
+    async with Client(api, api_key=KEY_SLOW) as client:
+        await client.submit("hi")
+        with pytest.raises(RateLimitExceeded) as refused:
+            await client.submit("hi")
+    assert (refused.value.limit, refused.value.status, refused.value.type) == (
+        "requests", 429, "rate_limited")
+    assert refused.value.retry_after_s is not None and 9 <= refused.value.retry_after_s <= 10
+    assert isinstance(refused.value, QueueFull)  # what callers caught for any 429 before
 
 
 # ---------------------------------------------------------------- OpenAI routes
