@@ -23,6 +23,7 @@ import math
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -104,7 +105,7 @@ class ScriptRunner(Protocol):
     async def script_load(self, script: str) -> Any: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)  # not slotted: cached_property needs a __dict__
 class TenantLimits:
     """One tenant's limits in force; ``UNLIMITED`` (infinity) for none."""
 
@@ -115,7 +116,8 @@ class TenantLimits:
     def unlimited(self) -> bool:
         return math.isinf(self.requests_per_s) and math.isinf(self.tokens_per_min)
 
-    def script_args(self) -> list[str | int]:
+    @cached_property
+    def script_args(self) -> tuple[str | int, ...]:
         """Refill per ms and capacity of each bucket, as the script takes them (0: none)."""
         args: list[str | int] = []
         for per_ms, capacity in ((self.requests_per_s / 1000, self.requests_per_s),
@@ -124,7 +126,7 @@ class TenantLimits:
                 args += ["0", 0]
             else:  # whole units: a bucket of 2.5 requests would only ever admit 2 at once
                 args += [repr(per_ms), max(1, math.floor(capacity))]
-        return args
+        return tuple(args)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +208,7 @@ class RateLimiter:
         if limits.unlimited:
             return None
         cost = prompt_tokens + max_tokens
-        args = [*limits.script_args(), cost, "" if now_ms is None else now_ms]
+        args = [*limits.script_args, cost, "" if now_ms is None else now_ms]
         try:
             answer = await redis.evalsha(_CHARGE_SHA, 1, keys.rate_limit(tenant), *args)
         except NoScriptError:  # a fresh (or flushed) Redis: load it once, then as before
@@ -274,7 +276,7 @@ def _resolved(own: KeyLimits, defaults: TenantLimits) -> TenantLimits:
 def _state(readings: list[int], limits: TenantLimits) -> RateState:
     buckets = []
     for (remaining, reset_ms), capacity in zip((readings[0:2], readings[2:4]),
-                                               limits.script_args()[1::2], strict=True):
+                                               limits.script_args[1::2], strict=True):
         buckets.append(None if remaining < 0 else
                        BucketReading(int(capacity), remaining, reset_ms))
     return RateState(requests=buckets[0], tokens=buckets[1])
