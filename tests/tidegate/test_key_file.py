@@ -72,3 +72,22 @@ def test_the_default_limits_come_from_the_environment(monkeypatch: pytest.Monkey
     monkeypatch.delenv("TIDEGATE_RATE_LIMIT_REQUESTS_PER_S")
     monkeypatch.delenv("TIDEGATE_RATE_LIMIT_TOKENS_PER_MIN")
     assert RateLimiter.from_settings(Settings(), Auth()).defaults.unlimited  # unset: unlimited
+
+
+@pytest.mark.parametrize("command", ["api", "gateway", "up"])
+def test_a_bad_keys_file_stops_the_servers_with_a_message_and_exit_2(
+        command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from tidegate.cli import main
+
+    path = tmp_path / "keys.txt"
+    path.write_text("sk-secret-1 requests_per_s=fast\n")
+    monkeypatch.setenv("TIDEGATE_API_KEYS_FILE", str(path))
+    monkeypatch.setenv("TIDEGATE_MODEL", "random:tiny")
+    assert main([command]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tidegate: error: ") and "line 1: requests_per_s" in err
+    assert "sk-secret" not in err and "Traceback" not in err
+    path.unlink()
+    assert main([command]) == 2
+    assert "cannot read the keys file" in capsys.readouterr().err
