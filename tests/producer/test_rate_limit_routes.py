@@ -23,6 +23,7 @@ from websockets.exceptions import ConnectionClosed
 from producer import Client
 from producer.admission import Admission
 from producer.errors import QueueFull, RateLimitExceeded
+from producer.rate_limit import duration
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tests.producer.test_openai_api import ScriptedWorker
@@ -224,6 +225,17 @@ async def test_the_openai_client_sees_the_headers_then_a_rate_limit_error(
     assert "0.1 requests per second" in error.message
     assert 9 <= int(error.response.headers["retry-after"]) <= 10
     assert rate_headers(error, "requests")["remaining"] == "0"
+
+
+async def test_a_streamed_answer_carries_the_headers_too(
+        api: str, http: httpx.AsyncClient, worker: ScriptedWorker, admission: Admission) -> None:
+    body = {"model": "tidegate", "prompt": "a b c", "max_tokens": 100, "stream": True}
+    response = await http.post(f"{api}/v1/completions", json=body, headers=bearer(KEY_TOKENS))
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.text.endswith("data: [DONE]\n\n")
+    cost = prompt_tokens(admission, "a b c") + 100  # back at 10 tokens/s: 100 ms each
+    assert rate_headers(response, "tokens") == {
+        "limit": "600", "remaining": str(600 - cost), "reset": duration(cost * 100)}
 
 
 async def test_a_request_over_the_whole_tokens_limit_is_not_retried_by_the_client(
