@@ -95,6 +95,7 @@ def prompt_tokens(admission: Admission, prompt: str = "hi") -> int:
 
 async def test_a_key_over_its_request_rate_gets_429_with_retry_after_and_the_headers(
         api: str, http: httpx.AsyncClient, aredis: aioredis.Redis) -> None:
+    await aredis.script_flush()  # as on a fresh Redis: the API loads the bucket script itself
     accepted = await submit(http, api, KEY_SLOW)
     assert accepted.status_code == 202, accepted.text
     assert rate_headers(accepted, "requests") == {"limit": "1", "remaining": "0",
