@@ -274,11 +274,11 @@ def _resolved(own: KeyLimits, defaults: TenantLimits) -> TenantLimits:
 
 
 def _state(readings: list[int], limits: TenantLimits) -> RateState:
-    buckets = []
-    for (remaining, reset_ms), capacity in zip((readings[0:2], readings[2:4]),
-                                               limits.script_args[1::2], strict=True):
-        buckets.append(None if remaining < 0 else
-                       BucketReading(int(capacity), remaining, reset_ms))
+    """The script's (remaining, ms until full) per bucket; remaining -1: no such limit."""
+    capacities = limits.script_args[1::2]
+    buckets = [None if remaining < 0 else BucketReading(int(capacity), remaining, reset_ms)
+               for remaining, reset_ms, capacity in zip(readings[0::2], readings[1::2],
+                                                        capacities, strict=True)]
     return RateState(requests=buckets[0], tokens=buckets[1])
 
 
