@@ -447,6 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = (getattr(args, "log_level", None) or os.environ.get("TIDEGATE_LOG_LEVEL", "INFO"))
     REDACTOR.install()  # before the first record: no key or token reaches any log
+    REDACTOR.install_excepthooks()
     if level.upper() == "TRACE":  # uvicorn's protocol traces, below DEBUG
         logging.addLevelName(TRACE_LOG_LEVEL, "TRACE")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -7,7 +7,7 @@ a test's capture, any installed later. Two layers:
 * patterns that find a credential by its context, whatever its value, so an unknown or
   malformed key is hidden too: an ``Authorization`` header of any scheme (``Bearer``,
   ``Basic``, ``Token``, several keys, the whole value), ``x-api-key``, ``Cookie``,
-  ``Sec-WebSocket-Protocol``, and fields or parameters named ``api_key``, ``token``,
+  ``Sec-WebSocket-Protocol`` (and the ``subprotocols`` of an ASGI scope), and fields or parameters named ``api_key``, ``token``,
   ``stream_token``, ``password``, ``secret`` (``?token=``, JSON, ``repr()`` of a dict or of
   bytes, escaped quotes), and the password in a Redis URL;
 * the known values themselves: the configured keys and what is derived from them (their digest,
@@ -18,7 +18,8 @@ a test's capture, any installed later. Two layers:
 websockets cuts a frame short when it logs one (the start and the end of the payload), which
 could leave a piece of a key no pattern recognises: a frame is redacted whole before it is cut,
 and a fragment of a message (whose other part is in another frame) is not shown at all.
-Uncaught exceptions (``sys.excepthook``, ``threading.excepthook``) go through the same scrub.
+The entry point (``tidegate.cli``) also sends uncaught exceptions (``sys.excepthook``,
+``threading.excepthook``) through the same scrub.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ import threading
 import traceback
 import urllib.parse
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from types import TracebackType
 from typing import Any
 
 REDACTED = "[redacted]"
-RECENT_MAX = 65536  # stream tokens (and hashes) remembered: ~10 MB at most
+RECENT_MAX = 16384  # stream tokens and hashes remembered (~3 MB); the patterns cover the rest
+RECENT_LEN = (16, 128)  # what a remembered value may measure: a token, a hash (not a word)
 MIN_SECRET_LEN = 4  # shorter values would redact ordinary words; no real key is that short
 
 _QUOTE = r"\\*['\"]"  # a quote, escaped any number of times (JSON inside repr inside JSON ...)
@@ -52,9 +55,17 @@ _FIELD = re.compile(
     r"(?i)(?<![a-z0-9])(api[_-]?key|(?:stream_|access_|refresh_)?token(?:_hash)?|password"
     rf"|secret)((?:{_QUOTE})?\s*[:=]\s*(?:b?(?P<q>{_QUOTE}))?)(?![\s'\"\\\\b]*\[redacted\])"
     r"(?(q)[^'\"\\\r\n]*|[^\s'\"\\&,;)}\]]+)")
+# The subprotocols a WebSocket client offered, as a list (uvicorn's ASGI scope at TRACE): a
+# browser that cannot set headers may carry a key there.
+_SUBPROTOCOLS = re.compile(r"(?i)(subprotocols['\"]?\s*[:=]\s*)\[[^\]\r\n]*\]")
 _URL_PASSWORD = re.compile(r"(?i)\b((?:rediss?|unix)://[^:/@\s]*:)[^@\s]+(?=@)")
+_KEEP_NAME = rf"\1\2{REDACTED}"
+# Every name each pattern looks for contains one of its words (lower case).
+_HEADER_WORDS = ("authorization", "cookie", "x-api-key", "sec-websocket-protocol")
+_FIELD_WORDS = ("key", "token", "password", "secret")
 # Where a remembered token or hash may stand: a word of URL-safe base64 (tokens) or hex.
-_WORD = re.compile(r"(?<![A-Za-z0-9_-])[A-Za-z0-9_-]{16,128}(?![A-Za-z0-9_-])")
+_WORD = re.compile(r"(?<![A-Za-z0-9_-])[A-Za-z0-9_-]{%d,%d}(?![A-Za-z0-9_-])"  # noqa: UP031
+                   % RECENT_LEN)
 
 
 class LogRedactor:
@@ -83,7 +94,7 @@ class LogRedactor:
 
     def add_recent(self, value: str) -> None:
         """A stream token or a hash this process minted or was shown (remembered while recent)."""
-        if len(value) < MIN_SECRET_LEN:
+        if not RECENT_LEN[0] <= len(value) <= RECENT_LEN[1]:
             return
         with self._lock:
             self._recent[value] = None
@@ -95,9 +106,15 @@ class LogRedactor:
 
     def scrub(self, text: str) -> str:
         """``text`` with every credential it holds replaced by ``[redacted]``."""
-        text = _HEADER.sub(rf"\1\2{REDACTED}", text)
-        text = _FIELD.sub(rf"\1\2{REDACTED}", text)
-        text = _URL_PASSWORD.sub(rf"\1{REDACTED}", text)
+        lowered = text.lower()  # most lines name no credential: a few substring tests say so
+        if any(word in lowered for word in _HEADER_WORDS):
+            text = _HEADER.sub(_KEEP_NAME, text)
+        if any(word in lowered for word in _FIELD_WORDS):
+            text = _FIELD.sub(_KEEP_NAME, text)
+        if "subprotocols" in lowered:
+            text = _SUBPROTOCOLS.sub(rf"\1[{REDACTED}]", text)
+        if "://" in lowered:
+            text = _URL_PASSWORD.sub(rf"\1{REDACTED}", text)
         known = self._secrets_re
         if known is not None:
             text = known.sub(REDACTED, text)
@@ -116,8 +133,9 @@ class LogRedactor:
             message = record.getMessage()
         except Exception:  # a malformed record: its handler reports it, with what we leave
             message = None
-        if message is None or self.scrub(message) != message:
-            self._redact_message(record, message)
+        clean = None if message is None else self.scrub(message)
+        if clean is None or clean != message:
+            self._redact_message(record, message, clean)
         if record.exc_info and not record.exc_text:
             record.exc_text = self.scrub(_FORMATTER.formatException(record.exc_info))
         elif record.exc_text:
@@ -125,9 +143,10 @@ class LogRedactor:
         if record.stack_info:
             record.stack_info = self.scrub(record.stack_info)
 
-    def _redact_message(self, record: logging.LogRecord, message: str | None) -> None:
+    def _redact_message(self, record: logging.LogRecord, message: str | None,
+                        clean: str | None) -> None:
         if not record.args:
-            record.msg = self.scrub(record.msg if message is None else message)
+            record.msg = self.scrub(record.msg) if clean is None else clean
             return
         # Argument by argument first: formatters such as uvicorn's access log unpack the
         # arguments, so their number and order must stay (and the format string's
@@ -141,8 +160,8 @@ class LogRedactor:
         except Exception:  # malformed from the start: keep what it says, as one string
             record.msg, record.args = self.scrub(f"{record.msg} {record.args!r}"), ()
             return
-        if message is not None and self.scrub(again) != again:  # the secret's context is in
-            record.msg, record.args = self.scrub(message), ()  # the format, or across args
+        if clean is not None and again != clean and self.scrub(again) != again:
+            record.msg, record.args = clean, ()  # the secret's context is in the format string
 
     def _arg(self, arg: object) -> object:
         if arg is None or isinstance(arg, (bool, int, float)):
@@ -170,7 +189,7 @@ class LogRedactor:
     # ------------------------------------------------------------ the process's logs
 
     def install(self) -> None:
-        """Redact every record this process logs, and uncaught exceptions (once)."""
+        """Redact every record this process logs (once)."""
         with self._lock:
             if self._installed:
                 return
@@ -187,10 +206,14 @@ class LogRedactor:
             return record
 
         logging.setLogRecordFactory(factory)
+
+    def install_excepthooks(self) -> None:
+        """Redact the tracebacks of uncaught exceptions too: for a process's entry point."""
         sys.excepthook = self._excepthook
         threading.excepthook = self._thread_excepthook
 
-    def _excepthook(self, kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+    def _excepthook(self, kind: type[BaseException], exc: BaseException,
+                    tb: TracebackType | None) -> None:
         text = "".join(traceback.format_exception(kind, exc, tb))
         sys.stderr.write(self.scrub(text))
 
@@ -266,4 +289,3 @@ def _inside_base64(data: bytes) -> Iterable[str]:
 
 
 REDACTOR = LogRedactor()  # one per process: logging itself is one per process
-redact_text: Callable[[str], str] = REDACTOR.scrub

@@ -285,8 +285,9 @@ async def drive_gateway(stack: Stack, jobs: dict) -> None:
                            *(("", h) for h in WRONG_CREDENTIALS)]:
         got, code = await frames(url + query, headers)
         assert code in (4401, 4403) and got == [], (query, headers, got, code)
-    got, code = await frames(url, subprotocols=[KEY_A])
-    assert code in (4401, 4403)
+    for offered in ([KEY_A], ["tidegate", WRONG, KEY_B]):  # a browser's only header
+        got, code = await frames(url, subprotocols=offered)
+        assert code == 4401
     async with http(stack.gateway) as gateway:
         events = f"/v1/jobs/{job_a['id']}/events"
         for query, headers in [(f"?token={job_a['stream_token']}", {}),

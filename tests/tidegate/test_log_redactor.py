@@ -143,6 +143,14 @@ def test_arguments_keep_their_number_and_their_repr(
     assert (record.msg, record.args) == ("%s %d", ("a", 1))  # nothing to hide: untouched
 
 
+def test_offered_subprotocols_are_hidden(output: tuple[logging.Logger, io.StringIO]) -> None:
+    logger, stream = output
+    logger.debug("ASGI [1] Started scope=%s", {"type": "websocket", "path": "/v1/stream",
+                                                "subprotocols": ["tidegate", WRONG]})
+    assert stream.getvalue() == ("ASGI [1] Started scope={'type': 'websocket', 'path': "
+                                 f"'/v1/stream', 'subprotocols': [{REDACTED}]}}\n")
+
+
 def test_a_secret_spread_over_format_and_argument_is_hidden(
         output: tuple[logging.Logger, io.StringIO]) -> None:
     logger, stream = output
@@ -153,7 +161,7 @@ def test_a_secret_spread_over_format_and_argument_is_hidden(
 
 
 def test_an_uncaught_exception_shows_no_key() -> None:
-    program = ("from tidegate.log_redactor import REDACTOR; REDACTOR.install(); "
+    program = ("from tidegate.log_redactor import REDACTOR; REDACTOR.install_excepthooks(); "
                f"REDACTOR.add_secret({KEY!r}); import threading; "
                f"t = threading.Thread(target=lambda: 1 / 0 if False else int({KEY!r})); "
                f"t.start(); t.join(); raise RuntimeError('authorization: Bearer {WRONG}')")
