@@ -57,7 +57,7 @@ _FIELD = re.compile(
     r"(?(q)[^'\"\\\r\n]*|[^\s'\"\\&,;)}\]]+)")
 # The subprotocols a WebSocket client offered, as a list (uvicorn's ASGI scope at TRACE): a
 # browser that cannot set headers may carry a key there.
-_SUBPROTOCOLS = re.compile(r"(?i)(subprotocols['\"]?\s*[:=]\s*)\[[^\]\r\n]*\]")
+_SUBPROTOCOLS = re.compile(r"(?i)(subprotocols['\"]?\s*[:=]\s*)\[[^\]\r\n]+\]")
 _URL_PASSWORD = re.compile(r"(?i)\b((?:rediss?|unix)://[^:/@\s]*:)[^@\s]+(?=@)")
 _KEEP_NAME = rf"\1\2{REDACTED}"
 # Every name each pattern looks for contains one of its words (lower case).
