@@ -452,6 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.addLevelName(TRACE_LOG_LEVEL, "TRACE")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
+    logging.captureWarnings(True)  # warnings too go through the handlers, so the redactor
     try:
         return args.func(args)
     except CliError as exc:
