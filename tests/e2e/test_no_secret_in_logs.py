@@ -1,7 +1,8 @@
 """No key, stream token or key-derived value in any byte any process writes, at every log level.
 
 The stack runs as separate processes, the way an operator runs it: redis-server, `tidegate api`
-(access log on), `tidegate gateway`, `tidegate worker`, and a `tidegate submit` client, all at
+(access log on), `tidegate gateway`, `tidegate worker`, `tidegate batch-worker` (arq) and a
+`tidegate submit` client, all at
 TRACE (below DEBUG: uvicorn's protocol traces and ASGI messages, websockets' handshake headers
 and frames, redis-py, asyncio in debug mode, arq, our own loggers), with auth on and two
 tenants in a keys file. Every route that carries a key or a token is driven, with the right
@@ -120,9 +121,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     wait_until("redis-server", lambda: _pings(redis_port), server, 10)
     for name, args in [("worker", ["worker"]),
                        ("api", ["api", "--port", str(api_port), "--access-log"]),
-                       ("gateway", ["gateway", "--port", str(gw_port)])]:
+                       ("gateway", ["gateway", "--port", str(gw_port)]),
+                       ("batch-worker", ["batch-worker", "--status-port", "0"])]:
         stack.processes.append(spawn(name, [*TIDEGATE, *args], env, logs))
-    worker, api_process, gateway_process = stack.processes[1:]
+    worker, api_process, gateway_process, _ = stack.processes[1:]
     client = redis.Redis(port=redis_port)
     wait_until("the worker", lambda: bool(client.keys("tidegate:worker:*")), worker)
     client.close()
