@@ -10,6 +10,7 @@ import logging
 import re
 import subprocess
 import sys
+import urllib.parse
 from collections.abc import Iterator
 
 import pytest
@@ -132,6 +133,18 @@ def test_known_keys_and_tokens_are_hidden_wherever_they_appear(
     assert base64.b64decode(before).startswith(b"someone:") and len(before) <= 12
     assert len(base64.b64decode(after)) <= 2
     assert "request failed\nTraceback" in text and "ValueError: no such key" in text
+
+
+def test_a_key_is_hidden_in_every_escaping_and_beside_a_longer_one(
+        output: tuple[logging.Logger, io.StringIO]) -> None:
+    odd, short, longer = 'tg-"odd\\key/é 1', "tg-shared-prefix-01", "tg-shared-prefix-01-and-more"
+    Auth([odd, short, longer])
+    logger, stream = output
+    logger.info("%s | %r | %s | %s | %s", json.dumps({"k": odd}), {"k": odd},
+                urllib.parse.quote(odd, safe=""), longer, short)
+    text = stream.getvalue()
+    assert text == " | ".join([f'{{"k": "{REDACTED}"}}', f"{{'k': '{REDACTED}'}}", REDACTED,
+                               REDACTED, REDACTED]) + "\n"
 
 
 def test_arguments_keep_their_number_and_their_repr(
