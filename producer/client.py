@@ -29,7 +29,7 @@ from producer.errors import (
     Unauthorized,
     error_from_response,
 )
-from tidegate.auth import CLIENT_LOGGERS, redact_credentials
+from tidegate.log_redactor import REDACTOR
 from tidegate.protocol import ChatMessage, Event, JobRequest, JobResult, Lane, is_final, parse_event
 
 T = TypeVar("T")
@@ -78,7 +78,11 @@ class Client:
         self.auth_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s,
                                        headers=self.auth_headers)
-        redact_credentials(*CLIENT_LOGGERS)  # websockets logs handshake headers at DEBUG
+        # websockets logs its handshake headers (and frames) at DEBUG: this library does not own
+        # its process's logging, so it redacts only the records of the loggers it drives.
+        REDACTOR.filter_loggers("websockets.client")
+        if api_key:
+            REDACTOR.add_secret(api_key)
 
     async def __aenter__(self) -> Client:
         return self

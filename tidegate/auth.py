@@ -3,7 +3,8 @@
 A caller presents ``Authorization: Bearer <key>``; the key maps to a tenant id (a hash prefix,
 never the key), which owns the jobs it submits. A job's stream token lets a browser, which
 cannot set WebSocket headers, watch that one job. With no key configured auth is off: every
-caller is the tenant ``anonymous``. Keys and tokens are kept out of the server's logs.
+caller is the tenant ``anonymous``. Keys, tokens and what derives from them are kept out of
+the logs: each is handed to ``tidegate.log_redactor`` as it becomes known.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import re
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -20,15 +20,12 @@ import redis.asyncio as aioredis
 
 from tidegate import keys
 from tidegate.key_file import KeyLimits, read_key_file
+from tidegate.log_redactor import REDACTOR
 from tidegate.settings import Settings
 
 log = logging.getLogger(__name__)
 
 ANONYMOUS = "anonymous"  # the tenant of every caller while auth is off
-# Loggers that may print request lines or headers: uvicorn's (its WebSocket handshake logs
-# headers at DEBUG) and the websockets client's.
-SERVER_LOGGERS = ("uvicorn.error", "uvicorn.access")
-CLIENT_LOGGERS = ("websockets.client",)
 
 
 class AuthError(Exception):
@@ -68,12 +65,27 @@ def tenant_of(api_key: str) -> str:
 
 
 def new_stream_token() -> str:
-    return secrets.token_urlsafe(32)
+    token = secrets.token_urlsafe(32)
+    remember_token(token)
+    return token
 
 
 def token_hash(token: str) -> str:
     """What the job hash stores of a stream token (``stream_token_hash``)."""
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def remember_token(token: str) -> None:
+    """Keep a stream token this process minted or was shown, and its hash, out of its logs."""
+    REDACTOR.add_recent(token)
+    REDACTOR.add_recent(token_hash(token))
+
+
+def remember_key(api_key: str) -> None:
+    """Keep an API key and everything derived from it out of this process's logs."""
+    REDACTOR.add_secret(api_key)
+    REDACTOR.add_secret(hashlib.sha256(api_key.encode()).hexdigest())
+    REDACTOR.add_secret(tenant_of(api_key))
 
 
 async def job_access(redis: aioredis.Redis, job_id: str) -> JobAccess | None:
@@ -90,6 +102,9 @@ class Auth:
 
     def __init__(self, api_keys: Iterable[str] = (), *,
                  limits: Mapping[str, KeyLimits] | None = None):
+        api_keys = list(api_keys)
+        for key in api_keys:
+            remember_key(key)
         # Digests, so every comparison runs over equal lengths whatever the key's length.
         self._keys = [(hashlib.sha256(k.encode()).digest(), tenant_of(k)) for k in api_keys]
         # Per-key rate limits (by key here, by tenant from then on: the key is not kept).
@@ -113,8 +128,8 @@ class Auth:
         return bool(self._keys)
 
     def start(self) -> None:
-        """At server start-up: redact credentials from the server's logs; warn if auth is off."""
-        redact_credentials(*SERVER_LOGGERS)
+        """At server start-up: redact secrets from the process's logs; warn if auth is off."""
+        REDACTOR.install()
         if not self._started and not self.enabled:
             log.warning("auth is OFF: no API key configured (TIDEGATE_API_KEYS or "
                         "TIDEGATE_API_KEYS_FILE); anyone who can reach this port may submit, "
@@ -145,6 +160,8 @@ class Auth:
     def check_stream(self, access: JobAccess, *, authorization: str | None,
                      token: str | None) -> None:
         """May this caller watch the job: the job's stream token, or its owner's key."""
+        if token is not None:
+            remember_token(token)  # right or wrong, it is the caller's secret
         if token is not None and access.stream_token_hash is not None and hmac.compare_digest(
                 token_hash(token), access.stream_token_hash):
             return
@@ -157,37 +174,3 @@ def _bearer(authorization: str | None) -> str | None:
     scheme, _, credentials = (authorization or "").strip().partition(" ")
     credentials = credentials.strip()
     return credentials if scheme.lower() == "bearer" and credentials else None
-
-
-# ---------------------------------------------------------------- logs
-
-
-_SECRETS = (
-    # a header line as websockets logs it ("> Authorization: Bearer k"), or a dumped mapping
-    re.compile(r"(?i)(authorization['\"]?\s*[:=,]\s*['\"]?)(?:bearer\s+)?[^\s'\",}]+"),
-    re.compile(r"(?i)([?&]token=)[^&\s'\"]+"),  # a stream token in a logged URL
-)
-
-
-class RedactCredentials(logging.Filter):
-    """Rewrites a record's message with API keys and stream tokens replaced."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # a malformed record: leave it to the handler's own error path
-            return True
-        redacted = message
-        for pattern in _SECRETS:
-            redacted = pattern.sub(r"\1[redacted]", redacted)
-        if redacted != message:
-            record.msg, record.args = redacted, ()
-        return True
-
-
-def redact_credentials(*logger_names: str) -> None:
-    """Install ``RedactCredentials`` on these loggers (once each)."""
-    for name in logger_names:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, RedactCredentials) for f in logger.filters):
-            logger.addFilter(RedactCredentials())

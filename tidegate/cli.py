@@ -18,6 +18,9 @@ from collections.abc import Sequence
 
 from tidegate import __version__
 from tidegate.keys import WORKER_HEARTBEAT_TTL_S
+from tidegate.log_redactor import REDACTOR
+
+TRACE_LOG_LEVEL = 5  # uvicorn's name for it, given before uvicorn is imported
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -460,8 +463,13 @@ def cmd_batch_worker(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = (getattr(args, "log_level", None) or os.environ.get("TIDEGATE_LOG_LEVEL", "INFO"))
+    REDACTOR.install()  # before the first record: no key or token reaches any log
+    REDACTOR.install_excepthooks()
+    if level.upper() == "TRACE":  # uvicorn's protocol traces, below DEBUG
+        logging.addLevelName(TRACE_LOG_LEVEL, "TRACE")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
+    logging.captureWarnings(True)  # warnings too go through the handlers, so the redactor
     try:
         return args.func(args)
     except CliError as exc:
