@@ -43,6 +43,7 @@ CLOSE_UNKNOWN_JOB = 4404
 CLOSE_BACKLOG_FULL = 4429
 
 MAX_FRAME_CHARS = 1 << 20  # a client frame past this is refused unread
+MAX_CLOSE_REASON_BYTES = 123  # RFC 6455: a control frame's payload is <= 125 bytes, 2 the code
 LAGGING_CLOSE_GRACE_S = 30.0
 
 
@@ -66,11 +67,20 @@ def parse_frame(message: dict[str, Any]) -> dict[str, Any]:
     return frame
 
 
+def close_reason(reason: str) -> str:
+    """``reason`` cut to at most 123 UTF-8 bytes on a character boundary (a longer one makes
+    the close itself fail); lone surrogates, which cannot be encoded, become ``?``."""
+    encoded = reason.encode("utf-8", "replace")
+    if len(encoded) <= MAX_CLOSE_REASON_BYTES:
+        return encoded.decode()
+    return encoded[:MAX_CLOSE_REASON_BYTES].decode("utf-8", "ignore")  # drops a cut character
+
+
 async def close(ws: WebSocket, code: int, reason: str, *, timeout_s: float = 2.0) -> None:
     """Close unless the client is already gone; bounded, since a stalled peer never acks."""
     with contextlib.suppress(WebSocketDisconnect, RuntimeError, TimeoutError, OSError):
         async with asyncio.timeout(timeout_s):
-            await ws.close(code, reason[:120])  # a close reason holds at most 123 bytes
+            await ws.close(code, close_reason(reason))
 
 
 async def refuse(ws: WebSocket, code: int, error: str, message: str,
