@@ -31,6 +31,7 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from tidegate import keys
+from tidegate.cancelling import cancel_and_wait
 from tidegate.event_feed import FeedEvent, stored_events
 
 log = logging.getLogger("tidegate.hub")
@@ -233,9 +234,7 @@ class EventHub:
                        asyncio.create_task(self._poll(), name="hub-poller")]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)  # the poller's reads could drop one cancel
         self._tasks = []
         if self._pubsub is not None:
             with contextlib.suppress(RedisError, OSError):
@@ -278,8 +277,14 @@ class EventHub:
             channel.jobs -= 1
             if channel.jobs == 0 and self._channels.get(channel.name) is channel:
                 del self._channels[channel.name]
-                with contextlib.suppress(RedisError, OSError):
-                    await self._send("UNSUBSCRIBE", channel.name)
+                # Shielded: a watcher's task may be cancelled more than once
+                # (tidegate.cancelling), and an interrupted UNSUBSCRIBE would leave the
+                # connection subscribed to a channel the hub no longer reads for.
+                await asyncio.shield(self._unsubscribe(channel.name))
+
+    async def _unsubscribe(self, channel: str) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self._send("UNSUBSCRIBE", channel)
 
     async def _ready(self, topic: _Topic) -> None:
         """Until the topic's channel subscription is confirmed (at most one poll interval: the

@@ -30,6 +30,7 @@ from typing import Any
 from redis.exceptions import RedisError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from tidegate.cancelling import cancel_and_wait
 from tidegate.event_hub import EventHub, Lagging, Watch
 from tidegate.ws_protocol import frame_writer, text_frame
 
@@ -108,9 +109,10 @@ async def relay(ws: WebSocket, hub: EventHub, job_id: str, after_id: int) -> Non
         try:
             await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            sender.cancel()
-            receiver.cancel()
-            await asyncio.wait({sender, receiver})
+            watch.direct = None  # nothing more reaches the client but the close
+            # A cancel can be lost in a Redis command (tidegate.cancelling): a sender that ran
+            # on would stream the whole job before the refusal of a bad frame went out.
+            await cancel_and_wait(sender, receiver)
     if watch.lagging.is_set():
         # The close frame queues behind what the client has not read yet: give a slow client
         # time to get there (the watcher is already gone, so waiting costs almost nothing);
