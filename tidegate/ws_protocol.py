@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.exceptions import HeaderLineTooLong, RequestLineTooLong, TooManyHeaders
+
+from tidegate.http_protocol import error_response
 
 FRAMES_EXTENSION = "tidegate.websocket.frames"
 
@@ -51,6 +54,16 @@ class FrameWriter:
 class TidegateWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's sans-I/O WebSocket protocol, with the frame-writing extension."""
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # websockets refuses a handshake it cannot parse (a line over 8192 bytes, too many
+        # headers) into its own output buffer, which uvicorn never flushes: the client would
+        # wait for an answer that never comes. Answer it and close.
+        exc = self.conn.handshake_exc
+        if exc is not None and not self.handshake_initiated and not self.transport.is_closing():
+            self.transport.write(_handshake_refusal(exc))
+            self.transport.close()
+
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
         scope = getattr(self, "scope", None)
@@ -65,6 +78,14 @@ class TidegateWebSocketProtocol(WebSocketsSansIOProtocol):
             return False
         self.transport.write(frame)
         return True
+
+
+def _handshake_refusal(exc: BaseException) -> bytes:
+    if isinstance(exc, RequestLineTooLong):
+        return error_response(414, "url", f"the request line is too long ({exc})")
+    if isinstance(exc, HeaderLineTooLong | TooManyHeaders):
+        return error_response(431, "headers", f"the request headers are too large ({exc})")
+    return error_response(400, None, "the WebSocket handshake is not valid HTTP/1.1")
 
 
 def frame_writer(scope: dict[str, Any]) -> FrameWriter | None:
