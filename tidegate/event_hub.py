@@ -8,7 +8,9 @@ jobs unsubscribes it. One reader task takes every message off that connection, r
 by its job id (without parsing the event) and offers the event to the job's watchers, each of
 which has a bounded queue: offering never blocks, so a stalled client can delay neither the
 reader, nor the other clients, nor (through Redis' output buffer) the worker. A watcher whose
-queue overflows is marked lagging and must be closed; it can resume from its last event id.
+queue overflows, or whose backlog in bytes (its queued events plus what its consumer reports
+as held for its client: a WebSocket's write buffers) passes the hub's ``backlog_bytes``, is
+marked lagging and must be closed; it can resume from its last event id.
 
 Exactness comes from the job's event stream, which workers write before they publish:
 a watcher replays the stream after its resume point once the channel subscription is confirmed,
@@ -37,6 +39,7 @@ from tidegate.event_feed import FeedEvent, stored_events
 log = logging.getLogger("tidegate.hub")
 
 DEFAULT_QUEUE_SIZE = 1024
+DEFAULT_BACKLOG_BYTES = 1 << 20
 DEFAULT_POLL_S = 1.0
 
 
@@ -72,6 +75,10 @@ class Watch:
         # the event is then queued as usual.
         self.direct: Callable[[FeedEvent], bool] | None = None
         self._parked = False  # the consumer waits in next() with nothing to hand out
+        # Bytes the consumer holds for its client beyond this queue (a WebSocket's transport
+        # buffer and kernel send queue: a client that stops reading fills those first, unseen
+        # by the queue). The hub adds the queued events and checks the sum every half poll.
+        self.backlog: Callable[[], int] | None = None
 
     def offer(self, event: FeedEvent) -> None:
         """From the hub: queue the event or, when full, mark the watcher lagging. Never blocks."""
@@ -83,12 +90,26 @@ class Watch:
             self.hub.direct_sends += 1
             return
         if len(self._queue) >= self.queue_size:
-            self.lagging.set()
-            if self.on_lag is not None:
-                self.on_lag()
+            self._lag()
         else:
             self._queue.append(event)
         self._wake.set()
+
+    def check_backlog(self, limit_bytes: int) -> None:
+        """From the hub: mark the watcher lagging once it holds more than ``limit_bytes``."""
+        if self.lagging.is_set():
+            return
+        held = sum(len(event.raw) for event in self._queue)
+        if self.backlog is not None:
+            held += self.backlog()
+        if held > limit_bytes:
+            self._lag()
+            self._wake.set()
+
+    def _lag(self) -> None:
+        self.lagging.set()
+        if self.on_lag is not None:
+            self.on_lag()
 
     async def next(self, timeout: float | None = None) -> FeedEvent | None:
         """The next event (id = last + 1), or None when none came within ``timeout``.
@@ -207,9 +228,10 @@ class EventHub:
     """Subscribes one pub/sub connection to the channels of watched jobs and fans them out."""
 
     def __init__(self, redis: aioredis.Redis, *, queue_size: int = DEFAULT_QUEUE_SIZE,
-                 poll_s: float = DEFAULT_POLL_S):
+                 backlog_bytes: int = DEFAULT_BACKLOG_BYTES, poll_s: float = DEFAULT_POLL_S):
         self.redis = redis
         self.queue_size = queue_size
+        self.backlog_bytes = backlog_bytes
         self.poll_s = poll_s
         self._topics: dict[str, _Topic] = {}  # job id -> topic
         self._channels: dict[str, _Channel] = {}  # subscribed (or subscribing) live channels
@@ -371,11 +393,18 @@ class EventHub:
                 log.debug("pub/sub reconnect failed: %s", err)
                 await asyncio.sleep(self.poll_s)
 
+    def _check_backlogs(self) -> None:
+        for topic in self._topics.values():
+            for watch in topic.watchers:
+                watch.check_backlog(self.backlog_bytes)
+
     async def _poll(self) -> None:
-        """Read the stream of every job quiet for a poll interval, once for all its watchers."""
+        """Every half poll interval: cut the watchers holding too much, then read the stream
+        of every job quiet for a poll interval, once for all its watchers."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.poll_s / 2)
+            self._check_backlogs()
             now = loop.time()
             for job_id, topic in list(self._topics.items()):
                 if now - topic.quiet_since < self.poll_s or not topic.watchers:

@@ -22,6 +22,7 @@ MAX_TARGET_BYTES = 8000  # path and query; websockets refuses a request line ove
 MAX_HEADER_FIELD_BYTES = 8000  # one field, name and value; websockets: 8192 a line
 MAX_HEADER_FIELDS = 100  # websockets: 128
 MAX_HEADER_BYTES = 32 * 1024  # every field together
+ERROR_TYPES = {400: "invalid_request", 414: "url_too_long", 431: "headers_too_large"}
 
 
 class HeadTooLarge(Exception):
@@ -35,8 +36,7 @@ class HeadTooLarge(Exception):
 def error_response(status: int, field: str | None, reason: str) -> bytes:
     """A complete HTTP/1.1 response with the API's error body, closing the connection."""
     fields = [{"field": field, "reason": reason}] if field is not None else []
-    error_type = "invalid_request" if status == 400 else HTTPStatus(status).name.lower()
-    body = json.dumps({"error": {"type": error_type, "message": reason,
+    body = json.dumps({"error": {"type": ERROR_TYPES[status], "message": reason,
                                  "fields": fields}}).encode()
     head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
             "content-type: application/json\r\n"

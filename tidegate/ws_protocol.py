@@ -8,7 +8,10 @@ per-client work is most of a gateway's CPU. The extension ``tidegate.websocket.f
 straight to the transport, in order with everything else sent on the connection (the event
 loop runs one callback at a time, and ASGI sends write whole frames too). It refuses (False)
 when the connection is closing or its write buffer is over the high-water mark: the caller then
-falls back to the awaited ASGI path, whose back-pressure is what detects a slow client.
+falls back to the awaited ASGI path, whose back-pressure is what detects a slow client. It also
+reports ``backlog_bytes()``, what the connection holds that the client has not taken: the
+transport's write buffer plus the kernel's send queue (where a client that stops reading piles
+up hundreds of kB before the transport notices), and ``abort()`` drops a connection at once.
 
 Only offered when the connection negotiated no extension (no permessage-deflate), since
 a raw frame would bypass compression. ``UVICORN_OPTIONS`` in ``tidegate.cli`` selects this
@@ -17,7 +20,10 @@ protocol for every server tidegate runs.
 
 from __future__ import annotations
 
+import fcntl
+import socket
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +33,8 @@ from websockets.exceptions import HeaderLineTooLong, RequestLineTooLong, TooMany
 from tidegate.http_protocol import error_response
 
 FRAMES_EXTENSION = "tidegate.websocket.frames"
+_SIOCOUTQ = 0x5411  # Linux: bytes in a socket's send queue (the same number as TIOCOUTQ)
+_TCP_FAMILIES = (socket.AF_INET, socket.AF_INET6)
 
 
 def text_frame(payload: bytes) -> bytes:
@@ -50,9 +58,35 @@ class FrameWriter:
     def write(self, frame: bytes) -> bool:
         return self.protocol.write_frame(frame)
 
+    def backlog_bytes(self) -> int:
+        return self.protocol.backlog_bytes()
+
+    def abort(self) -> None:
+        self.protocol.transport.abort()
+
 
 class TidegateWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's sans-I/O WebSocket protocol, with the frame-writing extension."""
+
+    _socket_fd = -1  # for the kernel's send queue size; -1: not readable here
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sys.platform == "linux" and sock is not None and sock.family in _TCP_FAMILIES:
+            self._socket_fd = sock.fileno()
+
+    def backlog_bytes(self) -> int:
+        """Bytes written to this connection that the client has not taken yet (still in the
+        transport's buffer, or in the kernel's send queue: unsent or unacknowledged)."""
+        held = self.transport.get_write_buffer_size()
+        if self._socket_fd >= 0 and not self.transport.is_closing():
+            try:
+                raw = fcntl.ioctl(self._socket_fd, _SIOCOUTQ, b"\0\0\0\0")
+                held += struct.unpack("i", raw)[0]
+            except OSError:
+                self._socket_fd = -1
+        return held
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)

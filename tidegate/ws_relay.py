@@ -14,8 +14,9 @@ also sends protocol-level pings). Any other frame is refused with 4400 (on ``/v1
 first frame is the request, see ``producer.socket_submit``).
 
 Close codes: 1000 the final event was sent; 1001 the server is going away (resume
-elsewhere); 1013 the client fell too far behind or the event store is unavailable (resume with
-``last_event_id``, the id of the last event received); 4400 a malformed request or frame;
+elsewhere); 1013 the client fell too far behind (its queue overflowed, or more than the hub's
+``backlog_bytes`` waited for it, its connection's unsent bytes included) or the event store is
+unavailable (resume with ``last_event_id``, the id of the last event received); 4400 a malformed request or frame;
 4401 missing or unknown credentials; 4403 not this caller's job; 4404 unknown job;
 4429 the lane's backlog is full (``/v1/stream``; retry later).
 """
@@ -77,11 +78,16 @@ def close_reason(reason: str) -> str:
     return encoded[:MAX_CLOSE_REASON_BYTES].decode("utf-8", "ignore")  # drops a cut character
 
 
-async def close(ws: WebSocket, code: int, reason: str, *, timeout_s: float = 2.0) -> None:
-    """Close unless the client is already gone; bounded, since a stalled peer never acks."""
-    with contextlib.suppress(WebSocketDisconnect, RuntimeError, TimeoutError, OSError):
-        async with asyncio.timeout(timeout_s):
-            await ws.close(code, close_reason(reason))
+async def close(ws: WebSocket, code: int, reason: str, *, timeout_s: float = 2.0) -> bool:
+    """Close unless the client is already gone; bounded, since a stalled peer never acks.
+    False if the close could not be sent within ``timeout_s``."""
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+        try:
+            async with asyncio.timeout(timeout_s):
+                await ws.close(code, close_reason(reason))
+        except TimeoutError:
+            return False
+    return True
 
 
 async def refuse(ws: WebSocket, code: int, error: str, message: str,
@@ -106,6 +112,8 @@ async def relay(ws: WebSocket, hub: EventHub, job_id: str, after_id: int) -> Non
             # transport, no task wake-up (the hot path at thousands of clients). A refusal
             # (write buffer full, closing) sends the event through the sender instead.
             watch.direct = lambda event: writer.write(watch.encoded(event, text_frame))
+            # What the connection holds unread counts toward the watcher's backlog limit.
+            watch.backlog = writer.backlog_bytes
         try:
             await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -116,9 +124,12 @@ async def relay(ws: WebSocket, hub: EventHub, job_id: str, after_id: int) -> Non
     if watch.lagging.is_set():
         # The close frame queues behind what the client has not read yet: give a slow client
         # time to get there (the watcher is already gone, so waiting costs almost nothing);
-        # a dead one is dropped when the grace runs out.
-        return await close(ws, CLOSE_TRY_AGAIN, f"lagging; resume after event {watch.last}",
-                           timeout_s=LAGGING_CLOSE_GRACE_S)
+        # a dead one is dropped when the grace runs out (aborted: a plain close would wait
+        # for its write buffer to drain, which never happens, and hold the socket forever).
+        if not await close(ws, CLOSE_TRY_AGAIN, f"lagging; resume after event {watch.last}",
+                           timeout_s=LAGGING_CLOSE_GRACE_S) and writer is not None:
+            writer.abort()
+        return
     if not receiver.cancelled() and (exc := receiver.exception()) is not None:
         if isinstance(exc, BadFrame):
             return await refuse(ws, CLOSE_BAD_REQUEST, "bad_frame", str(exc))

@@ -19,7 +19,16 @@ from websockets.exceptions import ConnectionClosed
 from streaming.gateway import create_app
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
-from tests.streaming.test_gateway import ids, publish, read_all, started, stream_url, token
+from tests.streaming.test_gateway import (
+    done,
+    ids,
+    publish,
+    read_all,
+    started,
+    stream_url,
+    token,
+)
+from tidegate.event_log import add_event
 from tidegate.jobstore import enqueue
 from tidegate.protocol import JobRequest
 from tidegate.settings import Settings
@@ -164,4 +173,58 @@ def test_an_oversized_request_head_is_answered_at_once_with_a_json_error(
     assert b"content-type: application/json" in head.lower()
     error = json.loads(body)["error"]
     assert error["fields"][0]["field"] == field and error["message"]
+    assert error["type"] == {414: "url_too_long", 431: "headers_too_large"}[status]
     assert took_s < 2.0
+
+
+# ---------------------------------------------------------------- clients that stop reading
+
+
+async def test_a_client_that_stops_reading_is_cut_with_1013_within_seconds(
+        redis_server: RedisServer, redis_url: str) -> None:
+    """Small token events, as a real job streams them: before, ~800 KB piled up in the kernel's
+    buffers unseen, the queue never overflowed and the keepalive cut the client after 40 s
+    (1011). The gateway counts what it holds for the client, write buffers included, and cuts
+    it with 1013 once that passes ``watcher_backlog_bytes``; a reader on the same job goes on."""
+    limit = 64 * 1024
+    app = create_app(Settings(redis_url=redis_server.url, watcher_backlog_bytes=limit))
+    with serve(app) as http:
+        hub = app.state.gateway.hub
+        base = http.replace("http://", "ws://")
+        redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        job = JobRequest(prompt="hello").to_job(default_timeout_s=60)
+        await enqueue(redis, job)
+        url = stream_url(base, job.id)
+        # max_queue=1: once a frame waits unread, the client library stops reading its socket.
+        stalled = await ws_connect(url, max_queue=1, max_size=None).__aenter__()
+        reader = await ws_connect(url).__aenter__()
+        assert ids([await stalled.recv()]) == ids([await reader.recv()]) == [1]
+        await publish(redis, job.id, [started(job.id)])
+        assert ids([await stalled.recv(), await reader.recv()]) == [2, 2]
+        received = asyncio.create_task(frames_for(reader, 40))
+        stalled_at = time.monotonic()
+        cut_after_s = None
+        event_id, published_bytes = 3, 0
+        while time.monotonic() - stalled_at < 20:  # ~150-byte token events, as fast as it goes
+            pipe = redis.pipeline(transaction=False)
+            for raw in (token(job.id, i) for i in range(event_id, event_id + 50)):
+                add_event(pipe, job.id, raw)
+                published_bytes += len(raw)
+            await pipe.execute()
+            event_id += 50
+            if hub.watchers == 1:  # the stalled client's watcher is gone: it was cut
+                cut_after_s = time.monotonic() - stalled_at
+                break
+        last = event_id - 1
+        await publish(redis, job.id, [done(job.id, last + 1)])
+        frames, code = await received
+        assert (ids(frames), code) == (list(range(3, last + 2)), 1000)
+        # Before: not within 20 s (the queue never filled while the kernel buffers did).
+        assert cut_after_s is not None and cut_after_s < 5.0, (cut_after_s, published_bytes)
+        # The stalled client reads again: what it had been sent, then the 1013 close.
+        got, close_code = await frames_for(stalled, 20)
+        got_ids = ids(got)
+        assert close_code == 1013 and got_ids == list(range(3, 3 + len(got_ids)))
+        assert stalled.close_reason == f"lagging; resume after event {got_ids[-1]}"
+        await reader.close()
+        await redis.aclose()

@@ -28,11 +28,13 @@ async def test_tasks_busy_with_redis_commands_end_every_time(redis_url: str) -> 
     try:
         for _ in range(40):
             tasks = [asyncio.create_task(busy()) for _ in range(10)]
+            before = commands
+            while commands < before + 10:  # the tasks are in their loops
+                await asyncio.sleep(0)
             await asyncio.sleep(random.uniform(0, 0.003))  # each is inside a command now
-            async with asyncio.timeout(2):  # a task that swallowed its cancel would run on
+            async with asyncio.timeout(5):  # a task that swallowed its cancel would run on
                 await cancel_and_wait(*tasks)
             assert all(task.cancelled() for task in tasks)
-        assert commands > 400
     finally:
         await redis.aclose()
 
