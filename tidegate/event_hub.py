@@ -79,6 +79,7 @@ class Watch:
         # buffer and kernel send queue: a client that stops reading fills those first, unseen
         # by the queue). The hub adds the queued events and checks the sum every half poll.
         self.backlog: Callable[[], int] | None = None
+        self.backlog_due = 0.0  # loop time of the next backlog check (EventHub._check_backlogs)
 
     def offer(self, event: FeedEvent) -> None:
         """From the hub: queue the event or, when full, mark the watcher lagging. Never blocks."""
@@ -95,16 +96,18 @@ class Watch:
             self._queue.append(event)
         self._wake.set()
 
-    def check_backlog(self, limit_bytes: int) -> None:
-        """From the hub: mark the watcher lagging once it holds more than ``limit_bytes``."""
+    def check_backlog(self, limit_bytes: int) -> int:
+        """From the hub: mark the watcher lagging once it holds more than ``limit_bytes``;
+        returns what it holds."""
         if self.lagging.is_set():
-            return
+            return 0
         held = sum(len(event.raw) for event in self._queue)
         if self.backlog is not None:
             held += self.backlog()
         if held > limit_bytes:
             self._lag()
             self._wake.set()
+        return held
 
     def _lag(self) -> None:
         self.lagging.set()
@@ -393,10 +396,18 @@ class EventHub:
                 log.debug("pub/sub reconnect failed: %s", err)
                 await asyncio.sleep(self.poll_s)
 
-    def _check_backlogs(self) -> None:
+    def _check_backlogs(self, now: float) -> None:
+        """Cut the watchers holding more than ``backlog_bytes``. A watcher holding little is
+        looked at again only after four rounds: reading a socket's send queue is a system
+        call, and a watcher far below the limit cannot pass it sooner at token rates."""
         for topic in self._topics.values():
+            if now - topic.quiet_since >= self.poll_s:
+                continue  # a quiet job adds to nobody's backlog
             for watch in topic.watchers:
-                watch.check_backlog(self.backlog_bytes)
+                if watch.backlog_due <= now:
+                    held = watch.check_backlog(self.backlog_bytes)
+                    rounds = 1 if held > self.backlog_bytes // 4 else 4
+                    watch.backlog_due = now + rounds * self.poll_s / 2 - 0.01
 
     async def _poll(self) -> None:
         """Every half poll interval: cut the watchers holding too much, then read the stream
@@ -404,8 +415,8 @@ class EventHub:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.poll_s / 2)
-            self._check_backlogs()
             now = loop.time()
+            self._check_backlogs(now)
             for job_id, topic in list(self._topics.items()):
                 if now - topic.quiet_since < self.poll_s or not topic.watchers:
                     continue

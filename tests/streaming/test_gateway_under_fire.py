@@ -205,13 +205,14 @@ async def test_a_client_that_stops_reading_is_cut_with_1013_within_seconds(
         stalled_at = time.monotonic()
         cut_after_s = None
         event_id, published_bytes = 3, 0
-        while time.monotonic() - stalled_at < 20:  # ~150-byte token events, as fast as it goes
+        while time.monotonic() - stalled_at < 20:  # ~150-byte token events, ~150 kB/s
             pipe = redis.pipeline(transaction=False)
             for raw in (token(job.id, i) for i in range(event_id, event_id + 50)):
                 add_event(pipe, job.id, raw)
                 published_bytes += len(raw)
             await pipe.execute()
             event_id += 50
+            await asyncio.sleep(0.05)
             if hub.watchers == 1:  # the stalled client's watcher is gone: it was cut
                 cut_after_s = time.monotonic() - stalled_at
                 break
@@ -220,7 +221,7 @@ async def test_a_client_that_stops_reading_is_cut_with_1013_within_seconds(
         frames, code = await received
         assert (ids(frames), code) == (list(range(3, last + 2)), 1000)
         # Before: not within 20 s (the queue never filled while the kernel buffers did).
-        assert cut_after_s is not None and cut_after_s < 5.0, (cut_after_s, published_bytes)
+        assert cut_after_s is not None and cut_after_s < 8.0, (cut_after_s, published_bytes)
         # The stalled client reads again: what it had been sent, then the 1013 close.
         got, close_code = await frames_for(stalled, 20)
         got_ids = ids(got)
