@@ -416,7 +416,10 @@ class EventHub:
         while True:
             await asyncio.sleep(self.poll_s / 2)
             now = loop.time()
-            self._check_backlogs(now)
+            try:
+                self._check_backlogs(now)
+            except Exception:  # a consumer's backlog callback: never the poller's end
+                log.exception("checking watchers' backlogs failed")
             for job_id, topic in list(self._topics.items()):
                 if now - topic.quiet_since < self.poll_s or not topic.watchers:
                     continue

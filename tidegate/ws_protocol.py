@@ -79,8 +79,10 @@ class TidegateWebSocketProtocol(WebSocketsSansIOProtocol):
     def backlog_bytes(self) -> int:
         """Bytes written to this connection that the client has not taken yet (still in the
         transport's buffer, or in the kernel's send queue: unsent or unacknowledged)."""
+        if self.transport.is_closing():
+            return 0  # nothing more goes out: the relay is ending anyway
         held = self.transport.get_write_buffer_size()
-        if self._socket_fd >= 0 and not self.transport.is_closing():
+        if self._socket_fd >= 0:
             try:
                 raw = fcntl.ioctl(self._socket_fd, _SIOCOUTQ, b"\0\0\0\0")
                 held += struct.unpack("i", raw)[0]
