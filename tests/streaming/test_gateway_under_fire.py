@@ -28,6 +28,7 @@ from tests.streaming.test_gateway import (
     stream_url,
     token,
 )
+from tests.streaming.test_gateway_at_scale import big_token
 from tidegate.event_log import add_event
 from tidegate.jobstore import enqueue
 from tidegate.protocol import JobRequest
@@ -228,4 +229,54 @@ async def test_a_client_that_stops_reading_is_cut_with_1013_within_seconds(
         assert close_code == 1013 and got_ids == list(range(3, 3 + len(got_ids)))
         assert stalled.close_reason == f"lagging; resume after event {got_ids[-1]}"
         await reader.close()
+        await redis.aclose()
+
+
+def server_side_connections(port: int) -> int:
+    """Established TCP connections whose local end is ``port`` (the server's side), from
+    /proc: the test's client sockets have it as their remote end."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            for row in list(rows)[1:]:
+                local, state = row.split()[1], row.split()[3]
+                count += int(local.rsplit(":", 1)[1], 16) == port and state == "01"
+    return count
+
+
+async def test_a_cut_client_that_never_reads_again_is_dropped_after_the_grace(
+        redis_server: RedisServer, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut while its write buffer is full (its queue overflowed), the close frame cannot even
+    be written: after the grace the connection is aborted. Before, the closing transport
+    waited for that buffer to drain, which never happens: the socket stayed open for good."""
+    monkeypatch.setattr("tidegate.ws_relay.LAGGING_CLOSE_GRACE_S", 1.0)
+    # Only the queue cuts here: it overflows once the sender waits for a full write buffer.
+    app = create_app(Settings(redis_url=redis_server.url, watcher_queue_size=8,
+                              watcher_backlog_bytes=1 << 30))
+    with serve(app) as http:
+        port = int(http.rsplit(":", 1)[1])
+        redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        job = JobRequest(prompt="hello").to_job(default_timeout_s=60)
+        await enqueue(redis, job)
+        sock = socket.socket()  # a tiny receive buffer: the kernel's buffers fill soon
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.setblocking(False)
+        stalled = await ws_connect(stream_url(http.replace("http://", "ws://"), job.id),
+                                   sock=sock, max_queue=1, max_size=None,
+                                   compression=None).__aenter__()
+        assert ids([await stalled.recv()]) == [1]
+        hub = app.state.gateway.hub
+        await publish(redis, job.id, [started(job.id)])
+        event_id = 3
+        async with asyncio.timeout(20):
+            while hub.watchers:  # 32 kB events until the stalled client's queue overflows
+                await publish(redis, job.id, [big_token(job.id, event_id)])
+                event_id += 1
+                await asyncio.sleep(0.002)
+        assert server_side_connections(port) == 1  # the grace: its close may still go out
+        async with asyncio.timeout(8):  # 1 s of grace; uvicorn's own close timer is 10 s
+            while server_side_connections(port):
+                await asyncio.sleep(0.1)
+        stalled.transport.abort()
         await redis.aclose()
