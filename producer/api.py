@@ -89,7 +89,8 @@ class ProducerAPI:
                 Admission.for_model, self.settings.model)
         self._redis = connect(self.settings.redis_url)
         self._batched = Batched(self._redis)
-        self._hub = EventHub(self._redis, queue_size=self.settings.watcher_queue_size)
+        self._hub = EventHub(self._redis, queue_size=self.settings.watcher_queue_size,
+                             backlog_bytes=self.settings.watcher_backlog_bytes)
         await self._hub.start()
 
     async def stop(self) -> None:

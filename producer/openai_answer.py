@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from producer.openai_errors import OpenAIError, from_error_event, from_rejected
 from producer.openai_format import FINISH_REASONS, Shape, TokenLogprob, TokenSpeller
+from tidegate.cancelling import cancel_and_wait
 from tidegate.event_feed import FeedEvent
 from tidegate.event_hub import EventHub, Lagging
 from tidegate.jobstore import request_cancel
@@ -61,11 +62,10 @@ class Answer:
         try:
             await asyncio.wait({answer, listener}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            # A plain task cancel (not a level-triggered cancel scope) lets the watch's cleanup
-            # await the release of its subscription, as the gateway does.
-            answer.cancel()
-            listener.cancel()
-            await asyncio.wait({answer, listener})
+            # A task cancel (not a level-triggered cancel scope) lets the watch's cleanup await
+            # the release of its subscription, as the gateway does; repeated while the answer
+            # runs on, since a cancel can be lost inside a Redis command (tidegate.cancelling).
+            await cancel_and_wait(answer, listener)
         if answer.cancelled() or self._gone:
             await self._cancel_job()
         elif answer.exception() is not None:

@@ -70,7 +70,8 @@ class Gateway:
     async def start(self) -> None:
         self.auth.start()
         self._redis = connect(self.settings.redis_url)
-        self._hub = EventHub(self._redis, queue_size=self.settings.watcher_queue_size)
+        self._hub = EventHub(self._redis, queue_size=self.settings.watcher_queue_size,
+                             backlog_bytes=self.settings.watcher_backlog_bytes)
         await self._hub.start()
 
     async def stop(self) -> None:

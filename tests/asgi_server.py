@@ -16,12 +16,15 @@ from starlette.types import ASGIApp
 
 
 @contextmanager
-def serve(app: ASGIApp, *, startup_timeout_s: float = 10.0) -> Iterator[str]:
-    """Run ``app`` (lifespan included) while the block runs; yields ``http://127.0.0.1:PORT``."""
+def serve(app: ASGIApp, *, startup_timeout_s: float = 10.0,
+          **options: object) -> Iterator[str]:
+    """Run ``app`` (lifespan included) while the block runs; yields ``http://127.0.0.1:PORT``.
+    ``options`` override the servers' own uvicorn options."""
     from tidegate.cli import UVICORN_OPTIONS  # the servers' own options (WebSocket impl ...)
 
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on",
-                            timeout_graceful_shutdown=2, **UVICORN_OPTIONS)  # type: ignore[arg-type]
+                            timeout_graceful_shutdown=2,
+                            **{**UVICORN_OPTIONS, **options})  # type: ignore[arg-type]
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()

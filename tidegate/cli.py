@@ -74,6 +74,8 @@ def _check_model(spec: str) -> None:
 UVICORN_OPTIONS: dict[str, object] = {
     # The sans-I/O websockets protocol plus tidegate's frame-writing extension (ws_protocol).
     "ws": "tidegate.ws_protocol:TidegateWebSocketProtocol",
+    # httptools with bounds on the request head, refused as JSON 414/431 (http_protocol).
+    "http": "tidegate.http_protocol:TidegateHttpProtocol",
     "ws_per_message_deflate": False, "backlog": 4096,
 }
 

@@ -8,7 +8,9 @@ jobs unsubscribes it. One reader task takes every message off that connection, r
 by its job id (without parsing the event) and offers the event to the job's watchers, each of
 which has a bounded queue: offering never blocks, so a stalled client can delay neither the
 reader, nor the other clients, nor (through Redis' output buffer) the worker. A watcher whose
-queue overflows is marked lagging and must be closed; it can resume from its last event id.
+queue overflows, or whose backlog in bytes (its queued events plus what its consumer reports
+as held for its client: a WebSocket's write buffers) passes the hub's ``backlog_bytes``, is
+marked lagging and must be closed; it can resume from its last event id.
 
 Exactness comes from the job's event stream, which workers write before they publish:
 a watcher replays the stream after its resume point once the channel subscription is confirmed,
@@ -31,11 +33,13 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from tidegate import keys
+from tidegate.cancelling import cancel_and_wait
 from tidegate.event_feed import FeedEvent, stored_events
 
 log = logging.getLogger("tidegate.hub")
 
 DEFAULT_QUEUE_SIZE = 1024
+DEFAULT_BACKLOG_BYTES = 1 << 20
 DEFAULT_POLL_S = 1.0
 
 
@@ -71,6 +75,11 @@ class Watch:
         # the event is then queued as usual.
         self.direct: Callable[[FeedEvent], bool] | None = None
         self._parked = False  # the consumer waits in next() with nothing to hand out
+        # Bytes the consumer holds for its client beyond this queue (a WebSocket's transport
+        # buffer and kernel send queue: a client that stops reading fills those first, unseen
+        # by the queue). The hub adds the queued events and checks the sum every half poll.
+        self.backlog: Callable[[], int] | None = None
+        self.backlog_due = 0.0  # loop time of the next backlog check (EventHub._check_backlogs)
 
     def offer(self, event: FeedEvent) -> None:
         """From the hub: queue the event or, when full, mark the watcher lagging. Never blocks."""
@@ -82,12 +91,28 @@ class Watch:
             self.hub.direct_sends += 1
             return
         if len(self._queue) >= self.queue_size:
-            self.lagging.set()
-            if self.on_lag is not None:
-                self.on_lag()
+            self._lag()
         else:
             self._queue.append(event)
         self._wake.set()
+
+    def check_backlog(self, limit_bytes: int) -> int:
+        """From the hub: mark the watcher lagging once it holds more than ``limit_bytes``;
+        returns what it holds."""
+        if self.lagging.is_set():
+            return 0
+        held = sum(len(event.raw) for event in self._queue)
+        if self.backlog is not None:
+            held += self.backlog()
+        if held > limit_bytes:
+            self._lag()
+            self._wake.set()
+        return held
+
+    def _lag(self) -> None:
+        self.lagging.set()
+        if self.on_lag is not None:
+            self.on_lag()
 
     async def next(self, timeout: float | None = None) -> FeedEvent | None:
         """The next event (id = last + 1), or None when none came within ``timeout``.
@@ -206,9 +231,10 @@ class EventHub:
     """Subscribes one pub/sub connection to the channels of watched jobs and fans them out."""
 
     def __init__(self, redis: aioredis.Redis, *, queue_size: int = DEFAULT_QUEUE_SIZE,
-                 poll_s: float = DEFAULT_POLL_S):
+                 backlog_bytes: int = DEFAULT_BACKLOG_BYTES, poll_s: float = DEFAULT_POLL_S):
         self.redis = redis
         self.queue_size = queue_size
+        self.backlog_bytes = backlog_bytes
         self.poll_s = poll_s
         self._topics: dict[str, _Topic] = {}  # job id -> topic
         self._channels: dict[str, _Channel] = {}  # subscribed (or subscribing) live channels
@@ -233,9 +259,7 @@ class EventHub:
                        asyncio.create_task(self._poll(), name="hub-poller")]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)  # the poller's reads could drop one cancel
         self._tasks = []
         if self._pubsub is not None:
             with contextlib.suppress(RedisError, OSError):
@@ -278,8 +302,14 @@ class EventHub:
             channel.jobs -= 1
             if channel.jobs == 0 and self._channels.get(channel.name) is channel:
                 del self._channels[channel.name]
-                with contextlib.suppress(RedisError, OSError):
-                    await self._send("UNSUBSCRIBE", channel.name)
+                # Shielded: a watcher's task may be cancelled more than once
+                # (tidegate.cancelling), and an interrupted UNSUBSCRIBE would leave the
+                # connection subscribed to a channel the hub no longer reads for.
+                await asyncio.shield(self._unsubscribe(channel.name))
+
+    async def _unsubscribe(self, channel: str) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self._send("UNSUBSCRIBE", channel)
 
     async def _ready(self, topic: _Topic) -> None:
         """Until the topic's channel subscription is confirmed (at most one poll interval: the
@@ -366,12 +396,30 @@ class EventHub:
                 log.debug("pub/sub reconnect failed: %s", err)
                 await asyncio.sleep(self.poll_s)
 
+    def _check_backlogs(self, now: float) -> None:
+        """Cut the watchers holding more than ``backlog_bytes``. A watcher holding little is
+        looked at again only after four rounds: reading a socket's send queue is a system
+        call, and a watcher far below the limit cannot pass it sooner at token rates."""
+        for topic in self._topics.values():
+            if now - topic.quiet_since >= self.poll_s:
+                continue  # a quiet job adds to nobody's backlog
+            for watch in topic.watchers:
+                if watch.backlog_due <= now:
+                    held = watch.check_backlog(self.backlog_bytes)
+                    rounds = 1 if held > self.backlog_bytes // 4 else 4
+                    watch.backlog_due = now + rounds * self.poll_s / 2 - 0.01
+
     async def _poll(self) -> None:
-        """Read the stream of every job quiet for a poll interval, once for all its watchers."""
+        """Every half poll interval: cut the watchers holding too much, then read the stream
+        of every job quiet for a poll interval, once for all its watchers."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.poll_s / 2)
             now = loop.time()
+            try:
+                self._check_backlogs(now)
+            except Exception:  # a consumer's backlog callback: never the poller's end
+                log.exception("checking watchers' backlogs failed")
             for job_id, topic in list(self._topics.items()):
                 if now - topic.quiet_since < self.poll_s or not topic.watchers:
                     continue

@@ -58,6 +58,9 @@ class Settings(BaseSettings):
     stream_interval_ms: float = Field(default=10.0, ge=0, le=1000)
     # Events a watcher (WebSocket or SSE client) may fall behind before it is cut off (1013).
     watcher_queue_size: int = Field(default=1024, ge=1)
+    # Bytes a watcher may have waiting (its queued events, on a WebSocket also its connection's
+    # write buffer and kernel send queue) before it is cut with 1013.
+    watcher_backlog_bytes: int = Field(default=1 << 20, ge=4096)
     job_ttl_s: int = Field(default=24 * 3600, ge=60)
     log_level: str = "INFO"
     # API keys (TIDEGATE_API_KEYS: "k1,k2" or a JSON list), and/or a file of one key per line

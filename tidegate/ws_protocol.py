@@ -8,7 +8,10 @@ per-client work is most of a gateway's CPU. The extension ``tidegate.websocket.f
 straight to the transport, in order with everything else sent on the connection (the event
 loop runs one callback at a time, and ASGI sends write whole frames too). It refuses (False)
 when the connection is closing or its write buffer is over the high-water mark: the caller then
-falls back to the awaited ASGI path, whose back-pressure is what detects a slow client.
+falls back to the awaited ASGI path, whose back-pressure is what detects a slow client. It also
+reports ``backlog_bytes()``, what the connection holds that the client has not taken: the
+transport's write buffer plus the kernel's send queue (where a client that stops reading piles
+up hundreds of kB before the transport notices), and ``abort()`` drops a connection at once.
 
 Only offered when the connection negotiated no extension (no permessage-deflate), since
 a raw frame would bypass compression. ``UVICORN_OPTIONS`` in ``tidegate.cli`` selects this
@@ -17,13 +20,21 @@ protocol for every server tidegate runs.
 
 from __future__ import annotations
 
+import fcntl
+import socket
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.exceptions import HeaderLineTooLong, RequestLineTooLong, TooManyHeaders
+
+from tidegate.http_protocol import error_response
 
 FRAMES_EXTENSION = "tidegate.websocket.frames"
+_SIOCOUTQ = 0x5411  # Linux: bytes in a socket's send queue (the same number as TIOCOUTQ)
+_TCP_FAMILIES = (socket.AF_INET, socket.AF_INET6)
 
 
 def text_frame(payload: bytes) -> bytes:
@@ -47,9 +58,47 @@ class FrameWriter:
     def write(self, frame: bytes) -> bool:
         return self.protocol.write_frame(frame)
 
+    def backlog_bytes(self) -> int:
+        return self.protocol.backlog_bytes()
+
+    def abort(self) -> None:
+        self.protocol.transport.abort()
+
 
 class TidegateWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's sans-I/O WebSocket protocol, with the frame-writing extension."""
+
+    _socket_fd = -1  # for the kernel's send queue size; -1: not readable here
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sys.platform == "linux" and sock is not None and sock.family in _TCP_FAMILIES:
+            self._socket_fd = sock.fileno()
+
+    def backlog_bytes(self) -> int:
+        """Bytes written to this connection that the client has not taken yet (still in the
+        transport's buffer, or in the kernel's send queue: unsent or unacknowledged)."""
+        if self.transport.is_closing():
+            return 0  # nothing more goes out: the relay is ending anyway
+        held = self.transport.get_write_buffer_size()
+        if self._socket_fd >= 0:
+            try:
+                raw = fcntl.ioctl(self._socket_fd, _SIOCOUTQ, b"\0\0\0\0")
+                held += struct.unpack("i", raw)[0]
+            except OSError:
+                self._socket_fd = -1
+        return held
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # websockets refuses a handshake it cannot parse (a line over 8192 bytes, too many
+        # headers) into its own output buffer, which uvicorn never flushes: the client would
+        # wait for an answer that never comes. Answer it and close.
+        exc = self.conn.handshake_exc
+        if exc is not None and not self.handshake_initiated and not self.transport.is_closing():
+            self.transport.write(_handshake_refusal(exc))
+            self.transport.close()
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
@@ -65,6 +114,14 @@ class TidegateWebSocketProtocol(WebSocketsSansIOProtocol):
             return False
         self.transport.write(frame)
         return True
+
+
+def _handshake_refusal(exc: BaseException) -> bytes:
+    if isinstance(exc, RequestLineTooLong):
+        return error_response(414, "url", f"the request line is too long ({exc})")
+    if isinstance(exc, HeaderLineTooLong | TooManyHeaders):
+        return error_response(431, "headers", f"the request headers are too large ({exc})")
+    return error_response(400, None, "the WebSocket handshake is not valid HTTP/1.1")
 
 
 def frame_writer(scope: dict[str, Any]) -> FrameWriter | None:

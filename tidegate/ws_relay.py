@@ -14,8 +14,9 @@ also sends protocol-level pings). Any other frame is refused with 4400 (on ``/v1
 first frame is the request, see ``producer.socket_submit``).
 
 Close codes: 1000 the final event was sent; 1001 the server is going away (resume
-elsewhere); 1013 the client fell too far behind or the event store is unavailable (resume with
-``last_event_id``, the id of the last event received); 4400 a malformed request or frame;
+elsewhere); 1013 the client fell too far behind (its queue overflowed, or more than the hub's
+``backlog_bytes`` waited for it, its connection's unsent bytes included) or the event store is
+unavailable (resume with ``last_event_id``, the id of the last event received); 4400 a malformed request or frame;
 4401 missing or unknown credentials; 4403 not this caller's job; 4404 unknown job;
 4429 the lane's backlog is full (``/v1/stream``; retry later).
 """
@@ -30,6 +31,7 @@ from typing import Any
 from redis.exceptions import RedisError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from tidegate.cancelling import cancel_and_wait
 from tidegate.event_hub import EventHub, Lagging, Watch
 from tidegate.ws_protocol import frame_writer, text_frame
 
@@ -43,6 +45,7 @@ CLOSE_UNKNOWN_JOB = 4404
 CLOSE_BACKLOG_FULL = 4429
 
 MAX_FRAME_CHARS = 1 << 20  # a client frame past this is refused unread
+MAX_CLOSE_REASON_BYTES = 123  # RFC 6455: a control frame's payload is <= 125 bytes, 2 the code
 LAGGING_CLOSE_GRACE_S = 30.0
 
 
@@ -66,11 +69,25 @@ def parse_frame(message: dict[str, Any]) -> dict[str, Any]:
     return frame
 
 
-async def close(ws: WebSocket, code: int, reason: str, *, timeout_s: float = 2.0) -> None:
-    """Close unless the client is already gone; bounded, since a stalled peer never acks."""
-    with contextlib.suppress(WebSocketDisconnect, RuntimeError, TimeoutError, OSError):
-        async with asyncio.timeout(timeout_s):
-            await ws.close(code, reason[:120])  # a close reason holds at most 123 bytes
+def close_reason(reason: str) -> str:
+    """``reason`` cut to at most 123 UTF-8 bytes on a character boundary (a longer one makes
+    the close itself fail); lone surrogates, which cannot be encoded, become ``?``."""
+    encoded = reason.encode("utf-8", "replace")
+    if len(encoded) <= MAX_CLOSE_REASON_BYTES:
+        return encoded.decode()
+    return encoded[:MAX_CLOSE_REASON_BYTES].decode("utf-8", "ignore")  # drops a cut character
+
+
+async def close(ws: WebSocket, code: int, reason: str, *, timeout_s: float = 2.0) -> bool:
+    """Close unless the client is already gone; bounded, since a stalled peer never acks.
+    False if the close could not be sent within ``timeout_s``."""
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+        try:
+            async with asyncio.timeout(timeout_s):
+                await ws.close(code, close_reason(reason))
+        except TimeoutError:
+            return False
+    return True
 
 
 async def refuse(ws: WebSocket, code: int, error: str, message: str,
@@ -95,18 +112,24 @@ async def relay(ws: WebSocket, hub: EventHub, job_id: str, after_id: int) -> Non
             # transport, no task wake-up (the hot path at thousands of clients). A refusal
             # (write buffer full, closing) sends the event through the sender instead.
             watch.direct = lambda event: writer.write(watch.encoded(event, text_frame))
+            # What the connection holds unread counts toward the watcher's backlog limit.
+            watch.backlog = writer.backlog_bytes
         try:
             await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            sender.cancel()
-            receiver.cancel()
-            await asyncio.wait({sender, receiver})
+            watch.direct = None  # nothing more reaches the client but the close
+            # A cancel can be lost in a Redis command (tidegate.cancelling): a sender that ran
+            # on would stream the whole job before the refusal of a bad frame went out.
+            await cancel_and_wait(sender, receiver)
     if watch.lagging.is_set():
         # The close frame queues behind what the client has not read yet: give a slow client
         # time to get there (the watcher is already gone, so waiting costs almost nothing);
-        # a dead one is dropped when the grace runs out.
-        return await close(ws, CLOSE_TRY_AGAIN, f"lagging; resume after event {watch.last}",
-                           timeout_s=LAGGING_CLOSE_GRACE_S)
+        # a dead one is dropped when the grace runs out (aborted: a plain close would wait
+        # for its write buffer to drain, which never happens, and hold the socket forever).
+        if not await close(ws, CLOSE_TRY_AGAIN, f"lagging; resume after event {watch.last}",
+                           timeout_s=LAGGING_CLOSE_GRACE_S) and writer is not None:
+            writer.abort()
+        return
     if not receiver.cancelled() and (exc := receiver.exception()) is not None:
         if isinstance(exc, BadFrame):
             return await refuse(ws, CLOSE_BAD_REQUEST, "bad_frame", str(exc))
