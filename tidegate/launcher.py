@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import redis
 
 from tidegate import keys
+from tidegate.cancelling import cancel_and_wait
 from tidegate.redis_conn import redacted
 from tidegate.settings import Settings
 
@@ -207,7 +208,7 @@ async def _serve(settings: Settings) -> int:
     try:
         await server.serve()
     finally:
-        announcer.cancel()
+        await cancel_and_wait(announcer)
         for child in (worker, batch_worker):
             if child is not None and child.poll() is None:
                 child.terminate()
@@ -218,7 +219,7 @@ async def _serve(settings: Settings) -> int:
                 await asyncio.wait_for(asyncio.to_thread(child.wait), 30)
             except TimeoutError:
                 child.kill()
-        watcher.cancel()
+        await cancel_and_wait(watcher)
     return 0 if worker.returncode in (0, -15, None) else 1
 
 

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from tidegate import keys
+from tidegate.cancelling import cancel_and_wait
 from tidegate.jobstore import cancel_requested
 
 log = logging.getLogger("tidegate.worker")
@@ -45,10 +46,7 @@ class CancelListener:
         # The flag as well as the cancel: redis-py's timeouts can swallow a cancellation
         # (asyncio.wait_for on Python 3.11), and the loops must end all the same.
         self._stopping = True
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=5)
+        await cancel_and_wait(*self._tasks)
         self._tasks = []
 
     def take(self) -> set[str]:

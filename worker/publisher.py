@@ -28,6 +28,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from tidegate import keys
+from tidegate.cancelling import cancel_and_wait
 from tidegate.event_log import EventBatch, EventLog
 from tidegate.protocol import (
     DoneEvent,
@@ -222,8 +223,7 @@ class EventPublisher:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def flush(self) -> None:

@@ -44,6 +44,7 @@ import torch
 from redis.exceptions import RedisError
 
 from tidegate import keys
+from tidegate.cancelling import cancel_and_wait
 from tidegate.protocol import now_ms
 from tidegate.redis_conn import connect
 from tidegate.settings import Settings
@@ -157,9 +158,7 @@ class WorkerService:
                 await self._iteration()
             await self._hand_back()
         finally:
-            for task in background:
-                task.cancel()
-            await asyncio.wait(background, timeout=5)
+            await cancel_and_wait(*background)
             await self.publisher.stop()
             await self.cancels.stop()
             try:
