@@ -29,12 +29,14 @@ from producer.admission import Admission, AdmissionError
 from producer.backlog import LaneBacklog, LaneFull
 from producer.errors import FieldError, error_body, field_errors
 from producer.idempotency import Claim, ClaimInProgress
+from producer.openapi_paths import producer_docs
 from producer.refusal import Refusal, refusal_of
 from producer.socket_submit import SocketSubmit
 from tidegate import untrusted_json
 from tidegate.auth import Auth, AuthError, job_access, new_stream_token, token_hash
 from tidegate.event_hub import EventHub
 from tidegate.jobstore import enqueue, read_result, request_cancel
+from tidegate.openapi import openapi_route
 from tidegate.operator_routes import metrics_response, readiness_response
 from tidegate.protocol import Job, JobRequest
 from tidegate.redis_conn import connect
@@ -379,7 +381,8 @@ def create_app(settings: Settings, *, admission: Admission | None = None) -> Sta
         finally:
             await api.stop()
 
-    return Starlette(routes=api.routes, lifespan=lifespan,
+    routes = [*api.routes, openapi_route(producer_docs(), title="tidegate API")]
+    return Starlette(routes=routes, lifespan=lifespan,
                      exception_handlers=dict(api.exception_handlers))
 
 

@@ -30,8 +30,10 @@ from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
+from streaming.openapi_paths import gateway_docs
 from tidegate.auth import Auth, AuthError, job_access
 from tidegate.event_hub import EventHub, Lagging
+from tidegate.openapi import openapi_route
 from tidegate.operator_routes import metrics_response, readiness_response
 from tidegate.queue_stats import queue_stats
 from tidegate.redis_conn import connect
@@ -205,7 +207,8 @@ def create_app(settings: Settings) -> Starlette:
         finally:
             await gateway.stop()
 
-    app = Starlette(routes=gateway.routes, lifespan=lifespan)
+    routes = [*gateway.routes, openapi_route(gateway_docs(), title="tidegate gateway")]
+    app = Starlette(routes=routes, lifespan=lifespan)
     app.state.gateway = gateway
     return app
 
