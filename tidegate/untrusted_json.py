@@ -20,6 +20,7 @@ from typing import Any
 # at depth 4), far shallower than what Python's recursion limit lets the parser reach.
 MAX_DEPTH = 64
 
+MAX_NAME_CHARS = 200  # a field's name in an error: keys are the client's, of any length
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -82,7 +83,8 @@ def _check_text(text: str, root: str, path: tuple[str | int, ...]) -> None:
 
 
 def _name(root: str, path: tuple[str | int, ...]) -> str:
-    return ".".join(str(part) for part in path) if path else root
+    name = ".".join(str(part) for part in path) if path else root
+    return name if len(name) <= MAX_NAME_CHARS else name[:MAX_NAME_CHARS] + "..."
 
 
 def _no_constant(name: str) -> Any:

@@ -7,7 +7,8 @@ Server -> client text frames (JSON objects):
 * job events, exactly as the worker wrote them: ``{"id": N, "type": "queued" | "started" |
   "token" | "done" | "error" | "rejected" | "restarted", ...}``;
 * ``{"type": "pong", "data": ...}``, the answer to a client's ping;
-* ``{"type": "error", "code": ..., "message": ...}`` just before a 44xx close.
+* ``{"type": "error", "code": ..., "message": ..., "field"?: ...}`` just before a 44xx close
+  (``field``: where in the client's frame the fault lies, for a ``bad_frame``).
 
 Client -> server: ``{"type": "ping", "data": <anything>}`` (application keepalive; the server
 also sends protocol-level pings). Any other frame is refused with 4400 (on ``/v1/stream`` the

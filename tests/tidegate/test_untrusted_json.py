@@ -71,3 +71,9 @@ def test_any_input_parses_or_is_refused_with_bad_json(raw: str | bytes) -> None:
         assert exc.field and exc.reason
     else:
         json.dumps(document, ensure_ascii=False).encode()  # whatever parsed can be sent back
+
+
+def test_a_long_key_is_named_shortened() -> None:
+    with pytest.raises(BadJSON) as caught:
+        parse(json.dumps({"k" * 10_000: ["\ud800"]}))
+    assert caught.value.field == "k" * 200 + "..."
