@@ -6,6 +6,7 @@ Idempotency-Key."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
@@ -18,7 +19,11 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from benchmarks.fuzzing.socket_cases import json_values, request_bodies
+from producer.admission import Admission
+from producer.api import create_app
 from tests.asgi_server import server_errors
+from tests.producer.conftest import MODEL
+from tidegate.settings import Settings
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -126,6 +131,15 @@ async def test_a_bad_last_event_id_is_a_400_on_sse_and_4400_on_the_socket(
     assert server_errors(caplog.records) == []
 
 
+async def test_a_latin_1_digit_in_last_event_id_header_is_a_400(stack: str) -> None:
+    job = await submitted(stack)  # b"\xb2" is "²" to a server that reads headers as latin-1
+    async with httpx.AsyncClient(timeout=10) as http:
+        response = await http.get(f"{stack}/v1/jobs/{job['id']}/events",
+                                  params={"token": job["stream_token"]},
+                                  headers={"Last-Event-ID": b"\xb2"})
+    assert response.status_code == 400 and error_fields(response) == ["last_event_id"]
+
+
 @pytest.mark.parametrize("last_event_id", [10**18, 10**40, -1, "3", 1.5, True])
 async def test_a_bad_resume_point_on_v1_stream_is_4400(stack: str, last_event_id: object) -> None:
     job = await submitted(stack)
@@ -196,3 +210,28 @@ def test_any_body_on_v1_jobs_gets_an_answer_below_500(
     assert response.status_code in (200, 202, 400, 409, 413, 422), response.text
     if response.status_code >= 400:
         assert response.json()["error"]["message"]
+
+
+async def test_a_unicode_digit_content_length_is_not_a_500(admission: Admission) -> None:
+    # uvicorn's parser refuses such a header itself; another ASGI server may pass it on, so
+    # the app is called directly with it (an HTTP client would send its own Content-Length).
+    app = create_app(Settings(redis_url="redis://127.0.0.1:1/0", model=MODEL),
+                     admission=admission)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/jobs", "raw_path": b"/v1/jobs",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+             "server": ("test", 80), "headers": [(b"host", b"test"),
+                                                 (b"content-length", b"\xb2")]}  # latin-1 "²"
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"{", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    with contextlib.suppress(Exception):  # Starlette re-raises after its 500
+        await app(scope, receive, send)
+    start, body = sent[0], b"".join(m.get("body", b"") for m in sent[1:])
+    assert start["status"] == 400, body
+    assert json.loads(body)["error"]["fields"][0]["field"] == "body"
