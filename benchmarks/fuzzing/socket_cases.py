@@ -31,6 +31,8 @@ UNICODE_DIGITS = ["²", "١٢", "٣", "𝟘", "߀", "৯", "Ⅻ", "①"]
 
 # Any code point, lone surrogates included (json.dumps escapes them: "\ud800").
 text = st.text(st.characters(exclude_categories=()), max_size=40)
+# A text frame as such is UTF-8 on the wire: any code point a client can send.
+frame_text = st.text(max_size=40)
 leaves = (st.none() | st.booleans() | st.integers() | text
           | st.floats(allow_nan=False, allow_infinity=False))
 json_values = st.recursive(leaves, lambda inner: st.lists(inner, max_size=4)
@@ -95,14 +97,14 @@ def submit_frames(stack: FuzzStack, jobs: Jobs) -> st.SearchStrategy[str | bytes
                   "job_id": st.sampled_from([*jobs.ids, jobs.other_tenants]) | text | json_values,
                   "last_event_id": st.integers(-2, 10) | st.integers() | json_values,
                   "token": st.sampled_from(jobs.tokens) | text | json_values, "extra": text})
-    return st.one_of(structured.map(dumps), text, json_values.map(dumps),
+    return st.one_of(structured.map(dumps), frame_text, json_values.map(dumps),
                      st.sampled_from(HOSTILE_FRAMES), st.binary(max_size=64))
 
 
 def later_frames() -> st.SearchStrategy[str | bytes]:
     pings = st.fixed_dictionaries({"type": st.just("ping")}, optional={"data": json_values})
-    return st.one_of(pings.map(dumps), text, json_values.map(dumps), st.binary(max_size=16),
-                     st.sampled_from(HOSTILE_FRAMES))
+    return st.one_of(pings.map(dumps), frame_text, json_values.map(dumps),
+                     st.binary(max_size=16), st.sampled_from(HOSTILE_FRAMES))
 
 
 def query_values() -> st.SearchStrategy[str]:
