@@ -115,6 +115,16 @@ def test_a_vanishing_temperature_is_greedy() -> None:
     assert sample(logits, rows(3, temperature=1e-7)) == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-46])
+def test_a_top_p_that_rounds_to_zero_keeps_the_best_token(top_p: float) -> None:
+    # Valid (top_p > 0), yet 0 in float32: the nucleus must still hold the best token (it
+    # held none, and a gather at index -1 killed the worker; found by benchmarks/fuzz.py).
+    logits = torch.randn(4, 512)
+    for top_k in (0, 5):
+        assert sample(logits, rows(4, temperature=1.0, top_p=top_p, top_k=top_k)) == \
+            logits.argmax(-1).tolist()
+
+
 def test_min_p_keeps_exactly_the_tokens_with_p_at_least_min_p_times_p_max() -> None:
     # p_max 0.4, min_p 0.3: the threshold is 0.12, so 0.4, 0.2 and 0.15 stay.
     logits = torch.tensor([[0.1, 0.4, 0.08, 0.2, 0.07, 0.15]]).log()
