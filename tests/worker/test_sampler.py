@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tidegate.protocol import SamplingParams
 from worker.sampler import (
@@ -364,3 +366,14 @@ def test_bad_inputs_are_named_errors() -> None:
         Sampler()(torch.zeros(1, 5, dtype=torch.bfloat16), [row()])
     with pytest.raises(ValueError, match="sampler works on"):
         Sampler("meta")(torch.zeros(1, 5), [row()])
+
+
+@settings(max_examples=200, deadline=None)
+@given(temperature=st.floats(0, 2), top_p=st.floats(0, 1, exclude_min=True),
+       top_k=st.integers(0, 10**6), min_p=st.floats(0, 1),
+       repetition_penalty=st.floats(0, 10, exclude_min=True),
+       presence_penalty=st.floats(-2, 2), frequency_penalty=st.floats(-2, 2))
+def test_any_valid_sampling_params_sample_a_token(**params: float) -> None:
+    logits = torch.randn(2, 64) * 10
+    batch = [row("a", seed=1, prompt=[3, 4], output=[5, 5], **params), row("b", seed=2)]
+    assert all(0 <= t < 64 for t in sample(logits, batch))
