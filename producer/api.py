@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,12 +29,15 @@ from producer.admission import Admission, AdmissionError
 from producer.backlog import LaneBacklog, LaneFull
 from producer.errors import FieldError, error_body, field_errors
 from producer.idempotency import Claim, ClaimInProgress
+from producer.openapi_paths import producer_docs
 from producer.rate_limit import RateLimiter
 from producer.refusal import Refusal, refusal_of
 from producer.socket_submit import SocketSubmit
+from tidegate import untrusted_json
 from tidegate.auth import Auth, AuthError, job_access, new_stream_token, token_hash
 from tidegate.event_hub import EventHub
 from tidegate.jobstore import enqueue, read_result, request_cancel
+from tidegate.openapi import openapi_route
 from tidegate.operator_routes import metrics_response, readiness_response
 from tidegate.protocol import Job, JobRequest
 from tidegate.redis_conn import connect
@@ -159,8 +161,8 @@ class ProducerAPI:
             return twin.claim, twin.status, 200
         try:
             await self._enqueue(job, tenant=tenant, stream_token=claim.stream_token)
-        except RedisError:
-            if key is not None:  # so that a retry with the same key can enqueue the job
+        except BaseException:  # whatever failed (a cancel included), a retry may enqueue it
+            if key is not None:
                 with contextlib.suppress(RedisError):
                     await idempotency.release(redis, tenant, key, claim)
             raise
@@ -399,7 +401,8 @@ def create_app(settings: Settings, *, admission: Admission | None = None) -> Sta
         finally:
             await api.stop()
 
-    return Starlette(routes=api.routes, lifespan=lifespan,
+    routes = [*api.routes, openapi_route(producer_docs(), title="tidegate API")]
+    return Starlette(routes=routes, lifespan=lifespan,
                      exception_handlers=dict(api.exception_handlers))
 
 
@@ -413,7 +416,9 @@ async def _answer(handling: Awaitable[Response]) -> Response:
 
 async def _read_json(request: Request) -> Any:
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    # ASCII digits only: "²".isdigit() is true and int() refuses it (the server checks the
+    # header's syntax itself; this is only the early refusal of a body too large).
+    if declared.isascii() and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise _too_large()
     # The ASGI messages themselves, as Request.stream() reads them, without its generator.
     chunks: list[bytes] = []
@@ -432,10 +437,11 @@ async def _read_json(request: Request) -> Any:
         if not message.get("more_body", False):
             break
     try:
-        return json.loads(chunks[0] if len(chunks) == 1 else b"".join(chunks))
-    except ValueError as exc:  # includes a body that is not UTF-8
-        fields = [FieldError(field="body", reason=str(exc))]
-        raise Refusal(400, "invalid_json", "the request body is not valid JSON", fields) from exc
+        return untrusted_json.parse(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+    except untrusted_json.BadJSON as exc:  # not JSON, not UTF-8, too deep, a lone surrogate
+        fields = [FieldError(field=exc.field, reason=exc.reason)]
+        message = ("the request body is not valid JSON" if exc.field == "body" else str(exc))
+        raise Refusal(400, "invalid_json", message, fields) from exc
 
 
 def _with_header_key(body: Any, header: str | None) -> Any:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from tidegate import keys
+from tidegate import keys, untrusted_json
 from tidegate.jobstore import request_cancel
 from tidegate.protocol import JobRequest, now_ms
 
@@ -69,9 +69,10 @@ def parse_lines(text: str) -> list[dict]:
         if not raw.strip():
             continue
         try:
-            obj = json.loads(raw)
-        except ValueError as exc:
-            raise BatchInputError(f"line {number}: not JSON ({exc})") from None
+            obj = untrusted_json.parse(raw, root="line")
+        except untrusted_json.BadJSON as exc:  # not JSON, too deep, a lone surrogate
+            detail = f"not JSON ({exc.reason})" if exc.field == "line" else str(exc)
+            raise BatchInputError(f"line {number}: {detail}") from None
         if not isinstance(obj, dict):
             raise BatchInputError(f"line {number}: must be a JSON object")
         custom_id = obj.get("custom_id")

@@ -34,6 +34,7 @@ from tidegate.auth import AuthError, job_access
 from tidegate.ws_relay import (
     CLOSE_BAD_REQUEST,
     CLOSE_TRY_AGAIN,
+    MAX_RESUME_ID,
     BadFrame,
     close,
     parse_frame,
@@ -69,7 +70,7 @@ class SocketSubmit:
             return await self._refuse(ws, _invalid("request", "no request frame within "
                                                    f"{FIRST_FRAME_TIMEOUT_S:.0f} s"))
         except BadFrame as exc:
-            return await self._refuse(ws, _invalid("frame", str(exc)))
+            return await self._refuse(ws, _invalid(exc.field, exc.reason))
         except WebSocketDisconnect:
             return
         except (Refusal, AuthError, LaneFull, ClaimInProgress, RedisError) as exc:
@@ -101,8 +102,9 @@ class SocketSubmit:
                                        frame.get("token"))
             if not isinstance(job_id, str) or not keys.is_valid_job_id(job_id):
                 raise _invalid("job_id", "must be a job id string")
-            if not isinstance(after_id, int) or isinstance(after_id, bool) or after_id < 0:
-                raise _invalid("last_event_id", "must be an integer >= 0")
+            if (not isinstance(after_id, int) or isinstance(after_id, bool)
+                    or not 0 <= after_id <= MAX_RESUME_ID):
+                raise _invalid("last_event_id", f"must be an integer from 0 to {MAX_RESUME_ID}")
             if token is not None and not isinstance(token, str):
                 raise _invalid("token", "must be a string")
             if token is None:

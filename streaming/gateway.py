@@ -30,16 +30,26 @@ from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
+from streaming.openapi_paths import gateway_docs
 from tidegate.auth import Auth, AuthError, job_access
 from tidegate.event_hub import EventHub, Lagging
+from tidegate.openapi import openapi_route
 from tidegate.operator_routes import metrics_response, readiness_response
 from tidegate.queue_stats import queue_stats
 from tidegate.redis_conn import connect
 from tidegate.settings import Settings
-from tidegate.ws_relay import CLOSE_BAD_REQUEST, CLOSE_TRY_AGAIN, CLOSE_UNKNOWN_JOB, close, relay
+from tidegate.ws_relay import (
+    CLOSE_BAD_REQUEST,
+    CLOSE_TRY_AGAIN,
+    CLOSE_UNKNOWN_JOB,
+    MAX_RESUME_ID,
+    close,
+    relay,
+)
 
 STATIC = Path(__file__).with_name("static")
 SSE_KEEPALIVE_S = 15.0
+BAD_RESUME_POINT = f"last_event_id (or Last-Event-ID) must be an integer from 0 to {MAX_RESUME_ID}"
 
 
 class Gateway:
@@ -123,7 +133,7 @@ class Gateway:
         job_id = ws.path_params["job_id"]
         after_id = resume_point(ws.query_params.get("last_event_id"))
         if after_id is None:
-            return await close(ws, CLOSE_BAD_REQUEST, "last_event_id must be an integer >= 0")
+            return await close(ws, CLOSE_BAD_REQUEST, BAD_RESUME_POINT)
         try:
             if not await self._may_watch(ws.headers.get("authorization"),
                                          ws.query_params.get("token"), job_id):
@@ -140,8 +150,7 @@ class Gateway:
         raw = request.headers.get("last-event-id", request.query_params.get("last_event_id"))
         after_id = resume_point(raw)
         if after_id is None:
-            return _error(400, "invalid_request", "Last-Event-ID must be an integer >= 0",
-                          field="last_event_id")
+            return _error(400, "invalid_request", BAD_RESUME_POINT, field="last_event_id")
         try:
             if not await self._may_watch(request.headers.get("authorization"),
                                          request.query_params.get("token"), job_id):
@@ -199,16 +208,20 @@ def create_app(settings: Settings) -> Starlette:
         finally:
             await gateway.stop()
 
-    app = Starlette(routes=gateway.routes, lifespan=lifespan)
+    routes = [*gateway.routes, openapi_route(gateway_docs(), title="tidegate gateway")]
+    app = Starlette(routes=routes, lifespan=lifespan)
     app.state.gateway = gateway
     return app
 
 
 def resume_point(raw: str | None) -> int | None:
-    """A ``last_event_id``: 0 when absent, None when malformed."""
+    """A ``last_event_id``: 0 when absent, None when malformed (anything but 1 to 18 ASCII
+    digits: ``"²".isdigit()`` is true, yet ``int("²")`` raises)."""
     if raw is None or raw == "":
         return 0
-    return int(raw) if raw.isdigit() and len(raw) <= 18 else None
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= len(str(MAX_RESUME_ID))):
+        return None
+    return int(raw)
 
 
 def _error(status: int, type: str, message: str, *, field: str | None = None) -> JSONResponse:

@@ -97,8 +97,11 @@ def combined_app(settings: Settings):  # -> Starlette
     from starlette.applications import Starlette
 
     from producer.api import ProducerAPI
+    from producer.openapi_paths import producer_docs
     from streaming.gateway import Gateway
+    from streaming.openapi_paths import gateway_docs
     from tidegate.auth import Auth
+    from tidegate.openapi import openapi_route
 
     auth = Auth.from_settings(settings)  # one, so "auth is off" is said once
     api, gateway = ProducerAPI(settings, auth=auth), Gateway(settings, auth=auth)
@@ -118,7 +121,9 @@ def combined_app(settings: Settings):  # -> Starlette
     api_routes = [r for r in api.routes if getattr(r, "path", "") != "/metrics"]
     gateway_routes = [r for r in gateway.routes
                       if getattr(r, "path", "") not in ("/healthz", "/readyz")]
-    return Starlette(routes=[*api_routes, *gateway_routes], lifespan=lifespan,
+    docs = producer_docs().merged(gateway_docs())
+    routes = [*api_routes, *gateway_routes, openapi_route(docs, title="tidegate")]
+    return Starlette(routes=routes, lifespan=lifespan,
                      exception_handlers=dict(api.exception_handlers))
 
 

@@ -12,8 +12,18 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
+
+from tidegate import untrusted_json
 
 Lane = Literal["interactive", "batch"]
 Role = Literal["system", "user", "assistant"]
@@ -35,6 +45,18 @@ def new_job_id() -> str:
     return uuid.uuid4().hex
 
 
+def _unicode_text(text: str) -> str:
+    # A lone surrogate ("\ud800" as a JSON escape) validates as str but cannot be encoded as
+    # UTF-8: refused here, not when the job is stored or answered.
+    if not untrusted_json.valid_text(text):
+        raise ValueError("holds a lone surrogate: text must be valid Unicode")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode_text)]
+"""A string field of a request: valid Unicode (encodable as UTF-8)."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -49,7 +71,7 @@ def _field_error(field: str, message: str) -> PydanticCustomError:
 
 class ChatMessage(_Strict):
     role: Role
-    content: str = Field(max_length=MAX_PROMPT_CHARS)
+    content: Text = Field(max_length=MAX_PROMPT_CHARS)
 
 
 class SamplingParams(_Strict):
@@ -87,7 +109,7 @@ class SamplingParams(_Strict):
         description="return the chosen token's logprob and this many most likely alternatives",
     )
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop: list[Text] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[Annotated[int, Field(ge=0, strict=True)]] = Field(
         default_factory=list, max_length=MAX_STOP_TOKEN_IDS,
         description="generating any of these ends the job (finish_reason 'stop')",
@@ -120,7 +142,7 @@ class SamplingParams(_Strict):
 
 
 class _PromptFields(_Strict):
-    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    prompt: Text | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(default=None, max_length=1024)
 
     @model_validator(mode="after")

@@ -7,7 +7,8 @@ Server -> client text frames (JSON objects):
 * job events, exactly as the worker wrote them: ``{"id": N, "type": "queued" | "started" |
   "token" | "done" | "error" | "rejected" | "restarted", ...}``;
 * ``{"type": "pong", "data": ...}``, the answer to a client's ping;
-* ``{"type": "error", "code": ..., "message": ...}`` just before a 44xx close.
+* ``{"type": "error", "code": ..., "message": ..., "field"?: ...}`` just before a 44xx close
+  (``field``: where in the client's frame the fault lies, for a ``bad_frame``).
 
 Client -> server: ``{"type": "ping", "data": <anything>}`` (application keepalive; the server
 also sends protocol-level pings). Any other frame is refused with 4400 (on ``/v1/stream`` the
@@ -31,6 +32,7 @@ from typing import Any
 from redis.exceptions import RedisError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from tidegate import untrusted_json
 from tidegate.cancelling import cancel_and_wait
 from tidegate.event_hub import EventHub, Lagging, Watch
 from tidegate.ws_protocol import frame_writer, text_frame
@@ -46,11 +48,19 @@ CLOSE_BACKLOG_FULL = 4429
 
 MAX_FRAME_CHARS = 1 << 20  # a client frame past this is refused unread
 MAX_CLOSE_REASON_BYTES = 123  # RFC 6455: a control frame's payload is <= 125 bytes, 2 the code
+# The largest ``last_event_id`` a client may resume after (18 digits; a job has far fewer
+# events, and a stream entry id holds a 64-bit number).
+MAX_RESUME_ID = 10**18 - 1
 LAGGING_CLOSE_GRACE_S = 30.0
 
 
 class BadFrame(Exception):
-    """A client frame the protocol does not allow; the message says why."""
+    """A client frame the protocol does not allow; the message says why, ``field`` where in
+    the frame (``"frame"``: the frame as a whole)."""
+
+    def __init__(self, reason: str, *, field: str = "frame"):
+        super().__init__(reason if field == "frame" else f"{field}: {reason}")
+        self.field, self.reason = field, reason
 
 
 def parse_frame(message: dict[str, Any]) -> dict[str, Any]:
@@ -61,9 +71,10 @@ def parse_frame(message: dict[str, Any]) -> dict[str, Any]:
     if len(text) > MAX_FRAME_CHARS:
         raise BadFrame(f"frame longer than {MAX_FRAME_CHARS} characters")
     try:
-        frame = json.loads(text)
-    except ValueError as exc:
-        raise BadFrame(f"frame is not valid JSON: {exc}") from None
+        frame = untrusted_json.parse(text, root="frame")
+    except untrusted_json.BadJSON as exc:  # not JSON, too deep, a lone surrogate
+        reason = f"frame is not valid JSON: {exc.reason}" if exc.field == "frame" else exc.reason
+        raise BadFrame(reason, field=exc.field) from None
     if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
         raise BadFrame('frame must be a JSON object with a string "type"')
     return frame
@@ -132,7 +143,7 @@ async def relay(ws: WebSocket, hub: EventHub, job_id: str, after_id: int) -> Non
         return
     if not receiver.cancelled() and (exc := receiver.exception()) is not None:
         if isinstance(exc, BadFrame):
-            return await refuse(ws, CLOSE_BAD_REQUEST, "bad_frame", str(exc))
+            return await refuse(ws, CLOSE_BAD_REQUEST, "bad_frame", str(exc), field=exc.field)
         return  # the receive channel broke: the client is gone
     if sender.cancelled():
         return  # the client left

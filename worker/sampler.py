@@ -217,7 +217,10 @@ def top_k_top_p_cutoff(
     # The nucleus is the shortest prefix whose mass reaches top_p: a token stays while the mass
     # before it is below top_p. At top_p = 1 rounding could drop a tail, so skip it.
     in_nucleus = (probs.cumsum(dim=-1) - probs) < top_p[:, None]
-    keep = torch.minimum(keep, torch.where(top_p < 1, in_nucleus.sum(dim=-1), vocab))
+    # The best token always stays: a valid top_p below float32's smallest (1e-300) is 0 here,
+    # and a nucleus of none would gather at index -1.
+    nucleus = in_nucleus.sum(dim=-1).clamp_min(1)
+    keep = torch.minimum(keep, torch.where(top_p < 1, nucleus, vocab))
     cutoff = best.gather(1, (keep.clamp(max=width) - 1)[:, None])  # [N, 1]; keep >= 1
     return cutoff.masked_fill_(keep[:, None] >= vocab, float("-inf"))
 

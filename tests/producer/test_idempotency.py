@@ -13,11 +13,13 @@ import redis.asyncio as aioredis
 
 from producer import Client
 from producer.admission import Admission
+from producer.api import ProducerAPI
 from producer.idempotency import STALE_CLAIM_MS, Claim
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tidegate import keys
 from tidegate.protocol import now_ms
+from tidegate.settings import Settings
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -155,3 +157,31 @@ async def test_with_auth_off_callers_share_the_anonymous_tenant(
             first, again = await submit(one, "anon-1"), await submit(two, "anon-1")
     assert (first.status_code, again.status_code) == (202, 200)
     assert first.json() == again.json()
+
+
+class _EnqueueFailsOnce(ProducerAPI):
+    """The API with a bug after the claim: its first enqueue raises a non-Redis error."""
+
+    failed = False
+
+    async def _enqueue(self, job, *, tenant, stream_token=None):  # noqa: ANN001, ANN202
+        if not self.failed:
+            self.failed = True
+            raise ValueError("not a RedisError: e.g. a job that cannot be serialised")
+        return await super()._enqueue(job, tenant=tenant, stream_token=stream_token)
+
+
+async def test_any_failure_after_the_claim_releases_the_key(
+        redis_url: str, admission: Admission, aredis: aioredis.Redis) -> None:
+    api = _EnqueueFailsOnce(Settings(redis_url=redis_url, model="random:tiny"),
+                            admission=admission)
+    await api.start()
+    try:
+        body = {"prompt": "hi", "idempotency_key": "order-7"}
+        with pytest.raises(ValueError, match="not a RedisError"):
+            await api.accept("anonymous", body)
+        assert await aredis.get(keys.idempotency("anonymous", "order-7")) is None
+        claim, status, code = await api.accept("anonymous", body)  # at once, not a 409
+        assert (status, code) == ("queued", 202)
+    finally:
+        await api.stop()

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tidegate.protocol import SamplingParams
 from worker.sampler import (
@@ -113,6 +115,16 @@ def test_each_row_keeps_its_own_filters_in_a_mixed_batch() -> None:
 def test_a_vanishing_temperature_is_greedy() -> None:
     logits = torch.randn(3, 40) * 50
     assert sample(logits, rows(3, temperature=1e-7)) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-46])
+def test_a_top_p_that_rounds_to_zero_keeps_the_best_token(top_p: float) -> None:
+    # Valid (top_p > 0), yet 0 in float32: the nucleus must still hold the best token (it
+    # held none, and a gather at index -1 killed the worker; found by benchmarks/fuzz.py).
+    logits = torch.randn(4, 512)
+    for top_k in (0, 5):
+        assert sample(logits, rows(4, temperature=1.0, top_p=top_p, top_k=top_k)) == \
+            logits.argmax(-1).tolist()
 
 
 def test_min_p_keeps_exactly_the_tokens_with_p_at_least_min_p_times_p_max() -> None:
@@ -354,3 +366,14 @@ def test_bad_inputs_are_named_errors() -> None:
         Sampler()(torch.zeros(1, 5, dtype=torch.bfloat16), [row()])
     with pytest.raises(ValueError, match="sampler works on"):
         Sampler("meta")(torch.zeros(1, 5), [row()])
+
+
+@settings(max_examples=200, deadline=None)
+@given(temperature=st.floats(0, 2), top_p=st.floats(0, 1, exclude_min=True),
+       top_k=st.integers(0, 10**6), min_p=st.floats(0, 1),
+       repetition_penalty=st.floats(0, 10, exclude_min=True),
+       presence_penalty=st.floats(-2, 2), frequency_penalty=st.floats(-2, 2))
+def test_any_valid_sampling_params_sample_a_token(**params: float) -> None:
+    logits = torch.randn(2, 64) * 10
+    batch = [row("a", seed=1, prompt=[3, 4], output=[5, 5], **params), row("b", seed=2)]
+    assert all(0 <= t < 64 for t in sample(logits, batch))
