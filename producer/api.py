@@ -180,7 +180,8 @@ class ProducerAPI:
 
     async def _cancel(self, request: Request) -> Response:
         job_id = await self._authorized_job(request)
-        outcome = await request_cancel(self._connected(), job_id, ttl_s=self.settings.job_ttl_s)
+        outcome = await request_cancel(self._connected(), job_id,
+                                       ttl_s=self.settings.cancelled_ttl_s)
         if outcome in ("cancelled", "cancelling"):
             return JSONResponse({"id": job_id, "status": outcome}, 202)
         if outcome == "missing":

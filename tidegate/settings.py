@@ -8,6 +8,8 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from tidegate.protocol import MAX_TOKENS_LIMIT
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
@@ -56,7 +58,21 @@ class Settings(BaseSettings):
     stream_interval_ms: float = Field(default=10.0, ge=0, le=1000)
     # Events a watcher (WebSocket or SSE client) may fall behind before it is cut off (1013).
     watcher_queue_size: int = Field(default=1024, ge=1)
+    # How long a job's keys (hash, event stream) live while it is queued or running; every
+    # write refreshes it. Once the job ends, its final status's retention below applies.
     job_ttl_s: int = Field(default=24 * 3600, ge=60)
+    # Retention of a finished job's keys (``tidegate.retention``), by how it ended. Results are
+    # what clients come back for; a rejection or a cancel is told to the client at once (the
+    # 202's stream, or the cancel's answer), so minutes cover a late look. Redis memory in the
+    # steady state is about the sum over statuses of rate x retention x bytes per job
+    # (benchmarks/results/soak.md).
+    result_ttl_s: int = Field(default=24 * 3600, ge=1, description="done jobs")
+    error_ttl_s: int = Field(default=3600, ge=1, description="failed jobs")
+    rejected_ttl_s: int = Field(default=300, ge=1, description="rejected jobs")
+    cancelled_ttl_s: int = Field(default=300, ge=1, description="cancelled jobs")
+    # The most new tokens one job may ask for (422 on max_tokens beyond it): with the model's
+    # context it bounds the text stored per job (result, done event, token events).
+    max_output_tokens: int = Field(default=MAX_TOKENS_LIMIT, ge=1, le=MAX_TOKENS_LIMIT)
     log_level: str = "INFO"
     # API keys (TIDEGATE_API_KEYS: "k1,k2" or a JSON list), and/or a file of one key per line
     # ('#' comments). None configured: auth is off (local development).

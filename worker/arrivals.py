@@ -210,7 +210,7 @@ class ArrivalIntake:
         await self.redis.xadd(keys.dead_letter_stream(job.lane), {
             "job": job.model_dump_json(), "job_id": job.id, "attempts": str(delivery.attempt),
             "error": last_error, "stream": delivery.stream, "message_id": delivery.message_id,
-        }, maxlen=keys.LANE_MAXLEN, approximate=True)
+        }, maxlen=keys.DEAD_LETTER_MAXLEN, approximate=True)
         self.publisher.fail(delivery, await last_event_id(self.redis, job.id) + 1,
                             code="dead_lettered",
                             message=f"gave up after {delivery.attempt - 1} attempts: {last_error}")
