@@ -84,7 +84,7 @@ class ProducerAPI:
         self.auth.start()
         if self._admission is None:
             self._admission = await anyio.to_thread.run_sync(
-                Admission.for_model, self.settings.model)
+                Admission.for_model, self.settings.model, self.settings.max_output_tokens)
         self._redis = connect(self.settings.redis_url)
         self._batched = Batched(self._redis)
         self._hub = EventHub(self._redis, queue_size=self.settings.watcher_queue_size)
