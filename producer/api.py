@@ -143,7 +143,8 @@ class ProducerAPI:
             return earlier.claim, earlier.status, 200
         job = await self._admitted_job(job_request)
         claim = Claim(job_id=job.id, stream_token=new_stream_token(), created_ms=job.created_ms)
-        if key is not None and not await idempotency.claim(redis, tenant, key, claim):
+        if key is not None and not await idempotency.claim(
+                redis, tenant, key, claim, ttl_s=self.settings.idempotency_ttl_s):
             twin = await idempotency.replay(redis, tenant, key)  # the concurrent submit's
             if twin is None:
                 raise ClaimInProgress("a submit with this idempotency key failed just now; retry")

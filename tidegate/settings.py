@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     error_ttl_s: int = Field(default=3600, ge=1, description="failed jobs")
     rejected_ttl_s: int = Field(default=300, ge=1, description="rejected jobs")
     cancelled_ttl_s: int = Field(default=300, ge=1, description="cancelled jobs")
+    # An Idempotency-Key's claim (about 260 bytes); past its job's retention it is released
+    # anyway, so above result_ttl_s it only costs memory.
+    idempotency_ttl_s: int = Field(default=24 * 3600, ge=1)
     # The most new tokens one job may ask for (422 on max_tokens beyond it): with the model's
     # context it bounds the text stored per job (result, done event, token events).
     max_output_tokens: int = Field(default=MAX_TOKENS_LIMIT, ge=1, le=MAX_TOKENS_LIMIT)
