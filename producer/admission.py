@@ -2,14 +2,15 @@
 
 The prompt (or the chat messages, rendered by the model's chat template) is tokenized with the
 model's own tokenizer. A prompt that leaves no room to generate, or a ``max_tokens`` that would
-run past the context, is refused with the field to change. Plain Python: no torch, no Redis.
+run past the context or the service's ``max_output_tokens``, is refused with the field to change.
+Plain Python: no torch, no Redis.
 """
 
 from __future__ import annotations
 
 from tidegate.chat_template import ChatTemplateError
 from tidegate.model_source import resolve_model
-from tidegate.protocol import JobRequest
+from tidegate.protocol import MAX_TOKENS_LIMIT, JobRequest
 from tidegate.tokenizer import Tokenizer, load_tokenizer
 
 # Prompts (or chats, their contents added up) of at most this many characters are admitted on
@@ -37,17 +38,21 @@ class AdmissionError(Exception):
 class Admission:
     """Checks requests against one model's tokenizer and context length."""
 
-    def __init__(self, tokenizer: Tokenizer, max_context: int | None = None):
+    def __init__(self, tokenizer: Tokenizer, max_context: int | None = None,
+                 max_output_tokens: int = MAX_TOKENS_LIMIT):
         self.tokenizer = tokenizer
         self.max_context = max_context if max_context is not None else tokenizer.max_context
+        # The operator's bound on one job's output (TIDEGATE_MAX_OUTPUT_TOKENS): with the
+        # context it bounds the text a job stores in Redis.
+        self.max_output_tokens = max_output_tokens
 
     @classmethod
-    def for_model(cls, model: str) -> Admission:
+    def for_model(cls, model: str, max_output_tokens: int = MAX_TOKENS_LIMIT) -> Admission:
         """Admission for a model spec (``smollm2``, a directory, a .gguf, ``random:<preset>``).
 
         Raises ``tidegate.model_source.ModelLoadError`` when the model cannot be found.
         """
-        return cls(load_tokenizer(resolve_model(model)))
+        return cls(load_tokenizer(resolve_model(model)), max_output_tokens=max_output_tokens)
 
     def check(self, request: JobRequest) -> JobRequest:
         """The request to enqueue, or ``AdmissionError`` if it cannot fit.
@@ -69,8 +74,18 @@ class Admission:
                 f"{self.max_context} tokens, which leaves no room to generate",
             )
         room = self.max_context - prompt_tokens
-        if "max_tokens" not in request.model_fields_set and request.max_tokens > room:
-            return request.model_copy(update={"max_tokens": room}), prompt_tokens
+        if "max_tokens" not in request.model_fields_set:
+            if request.max_tokens > min(room, self.max_output_tokens):
+                return request.model_copy(
+                    update={"max_tokens": min(room, self.max_output_tokens)}), prompt_tokens
+            return request, prompt_tokens
+        if request.max_tokens > self.max_output_tokens:
+            raise AdmissionError(
+                "max_tokens",
+                f"max_tokens ({request.max_tokens}) is above this service's limit of "
+                f"{self.max_output_tokens} new tokens per job",
+                type="invalid_request",
+            )
         if request.max_tokens > room:
             raise AdmissionError(
                 "max_tokens",

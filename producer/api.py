@@ -88,7 +88,7 @@ class ProducerAPI:
         self.auth.start()
         if self._admission is None:
             self._admission = await anyio.to_thread.run_sync(
-                Admission.for_model, self.settings.model)
+                Admission.for_model, self.settings.model, self.settings.max_output_tokens)
         self._redis = connect(self.settings.redis_url)
         self._batched = Batched(self._redis)
         self._hub = EventHub(self._redis, queue_size=self.settings.watcher_queue_size,
@@ -154,7 +154,8 @@ class ProducerAPI:
             return earlier.claim, earlier.status, 200
         job = await self._admitted_job(job_request, tenant, rate_headers)
         claim = Claim(job_id=job.id, stream_token=new_stream_token(), created_ms=job.created_ms)
-        if key is not None and not await idempotency.claim(redis, tenant, key, claim):
+        if key is not None and not await idempotency.claim(
+                redis, tenant, key, claim, ttl_s=self.settings.idempotency_ttl_s):
             twin = await idempotency.replay(redis, tenant, key)  # the concurrent submit's
             if twin is None:
                 raise ClaimInProgress("a submit with this idempotency key failed just now; retry")
@@ -198,7 +199,8 @@ class ProducerAPI:
 
     async def _cancel(self, request: Request) -> Response:
         job_id = await self._authorized_job(request)
-        outcome = await request_cancel(self._connected(), job_id, ttl_s=self.settings.job_ttl_s)
+        outcome = await request_cancel(self._connected(), job_id,
+                                       ttl_s=self.settings.cancelled_ttl_s)
         if outcome in ("cancelled", "cancelling"):
             return JSONResponse({"id": job_id, "status": outcome}, 202)
         if outcome == "missing":

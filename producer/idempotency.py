@@ -54,10 +54,13 @@ class Replay:
     status: str  # the job's current status
 
 
-async def claim(redis: aioredis.Redis, tenant: str, key: str, new: Claim) -> bool:
-    """Claim ``key`` for the job about to be enqueued; False if an earlier submit holds it."""
+async def claim(redis: aioredis.Redis, tenant: str, key: str, new: Claim, *,
+                ttl_s: int = keys.IDEMPOTENCY_TTL_S) -> bool:
+    """Claim ``key`` for ``ttl_s`` for the job about to be enqueued; False if an earlier
+    submit holds it. Longer than the job's retention buys nothing: a claim whose job expired
+    is released by the next ``replay``."""
     return bool(await redis.set(keys.idempotency(tenant, key), new.encode(), nx=True,
-                                ex=keys.IDEMPOTENCY_TTL_S))
+                                ex=ttl_s))
 
 
 async def release(redis: aioredis.Redis, tenant: str, key: str, held: Claim) -> None:

@@ -14,7 +14,9 @@ space), so a subscriber routes an event without parsing its JSON.
 ``EventBatch`` collects one write: events, job-hash fields (status, result, error), acks of
 lane-stream entries. ``EventLog.write`` runs it as one script: the events are stored, then the
 hashes updated, then the new events published (stream before channel: followers treat the
-stream as the truth), then the entries acked (never ack what is not stored). A script touches
+stream as the truth), then the entries acked (never ack what is not stored) and each acked lane stream trimmed
+below its consumer groups' oldest unacknowledged entry (``XTRIM MINID``: acknowledged entries
+are never needed again, and nothing pending or unread is dropped). A script touches
 keys of many jobs, which a single Redis (or fakeredis) allows and a Redis Cluster does not:
 there a batch would be split by slot (one call per job, or per node as a pipeline).
 """
@@ -36,16 +38,68 @@ _HOLE = "\x00"
 _HASH_PREFIX, _HASH_SUFFIX = keys.job_hash(_HOLE).split(_HOLE)
 _EVENTS_SUFFIX = keys.job_events(_HOLE).split(_HOLE)[1]
 
+# Trims a lane stream below the oldest entry any of its consumer groups still needs: per group,
+# its oldest pending entry, or (none pending) the first after its last-delivered id. Exact MINID
+# trimming never removes an entry at or above the bound; it leaves max_deleted_entry_id alone
+# (XDEL would not), so XINFO's lag stays known. No group yet: nothing is trimmed.
+_TRIM_ACKED_LUA = """
+local function id_parts(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function id_below(a, b)
+  local ams, aseq = id_parts(a)
+  local bms, bseq = id_parts(b)
+  return ams < bms or (ams == bms and aseq < bseq)
+end
+local function trim_acked(stream)
+  local groups = redis.pcall('XINFO', 'GROUPS', stream)
+  if type(groups) ~= 'table' or groups.err or #groups == 0 then return end
+  local floor = nil
+  for _, g in ipairs(groups) do
+    local info = {}
+    for k = 1, #g, 2 do info[g[k]] = g[k + 1] end
+    local need
+    if tonumber(info['pending']) > 0 then
+      need = redis.call('XPENDING', stream, info['name'])[2]
+    else
+      local ms, seq = id_parts(info['last-delivered-id'])
+      need = string.format('%d-%d', ms, seq + 1)
+    end
+    if floor == nil or id_below(need, floor) then floor = need end
+  end
+  redis.call('XTRIM', stream, 'MINID', floor)
+end
+"""
+
+# A new stream node preallocates 4 KB (Redis 7), so a finished job's stream of a few events
+# (queued, then rejected; queued, started, tokens, done) holds mostly empty space for as long as
+# it is retained. Rewritten through DUMP and RESTORE its nodes are exactly sized: 4.7 KB -> 1.1 KB
+# for two events (benchmarks/results/soak.md). Only short streams: a long one's slack is one
+# node in many, not worth copying it. Nothing is appended after a final event (ids at or below
+# the last are refused, and RESTORE keeps the last id).
+COMPACT_MAX_ENTRIES = 128
+COMPACT_LUA = f"""
+local function compact(key, ttl_s)
+  if redis.call('XLEN', key) > {COMPACT_MAX_ENTRIES} then return end
+  local dump = redis.call('DUMP', key)
+  if dump then redis.call('RESTORE', key, ttl_s * 1000, dump, 'REPLACE') end
+end
+"""
+
 # ARGV: hash prefix, hash suffix, events suffix, ttl_s, events maxlen, consumer group, statuses,
 # expires, acks, then (channel, message) pairs.
 #   statuses: lines "job\tfield\tvalue[\tfield\tvalue...]" (values are JSON or plain words: no
 #             tab, no newline); each hash also gets its TTL again.
-#   expires:  job ids, space-separated, whose event streams get their TTL again.
-#   acks:     lines "stream\tentry id".
+#   expires:  lines "job ttl_s" or "job ttl_s final": the job's hash and event stream get this
+#             TTL (after the statuses: the final event's retention wins over the hash's
+#             refresh); with "final", a short event stream is compacted (_COMPACT_LUA).
+#   acks:     lines "stream\tentry id"; each stream is then trimmed below the oldest entry
+#             some consumer group still needs (pending, or not yet delivered).
 #   messages: live lines; each line's event is stored first, and only the events stored by
 #             this call (not duplicates) are published.
 # Returns the number of events already stored (skipped).
-_WRITE_LUA = """
+_WRITE_LUA = _TRIM_ACKED_LUA + COMPACT_LUA + """
 local hp, hs, es, ttl, maxlen, group = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local dup = 0
 for line in string.gmatch(ARGV[7], '[^\\n]+') do
@@ -73,13 +127,19 @@ for i = 10, #ARGV, 2 do
     redis.call('PUBLISH', ARGV[i], table.concat(fresh, '\\n'))
   end
 end
-for job in string.gmatch(ARGV[8], '%S+') do
-  redis.call('EXPIRE', hp .. job .. es, ttl)
+for line in string.gmatch(ARGV[8], '[^\\n]+') do
+  local job, t, final = string.match(line, '^(%S+) (%d+) ?(%a*)$')
+  redis.call('EXPIRE', hp .. job .. es, t)
+  redis.call('EXPIRE', hp .. job .. hs, t)
+  if final == 'final' then compact(hp .. job .. es, t) end
 end
+local acked = {}
 for line in string.gmatch(ARGV[9], '[^\\n]+') do
   local stream, id = string.match(line, '^([^\\t]+)\\t(.+)$')
   redis.pcall('XACK', stream, group, id)
+  acked[stream] = true
 end
+for stream in pairs(acked) do trim_acked(stream) end
 return dup
 """
 
@@ -108,7 +168,8 @@ class EventBatch:
     # Live lines per shard (keys.live_shard), in the order they were added.
     lines: list[list[str]] = field(default_factory=lambda: [[] for _ in range(keys.LIVE_SHARDS)])
     statuses: list[str] = field(default_factory=list)
-    expires: list[str] = field(default_factory=list)
+    # (job id, TTL in seconds or None for the log's own: the job is not finished)
+    expires: list[tuple[str, int | None]] = field(default_factory=list)
     acks: list[str] = field(default_factory=list)
     events: int = 0
 
@@ -128,9 +189,11 @@ class EventBatch:
             parts += (name, value)
         self.statuses.append("\t".join(parts))
 
-    def refresh_ttl(self, job_id: str) -> None:
-        """Give the job's event stream its full TTL again (at start and at the end of a run)."""
-        self.expires.append(job_id)
+    def refresh_ttl(self, job_id: str, ttl_s: int | None = None) -> None:
+        """Set the TTL of the job's hash and event stream: the log's own (``ttl_s`` None: the
+        job is starting), or its final status's retention (``tidegate.retention``) with the
+        final event (which also compacts a short event stream)."""
+        self.expires.append((job_id, ttl_s))
 
     def ack(self, stream: str, message_id: str) -> None:
         self.acks.append(f"{stream}\t{message_id}")
@@ -153,7 +216,10 @@ class EventLog:
         """Store and publish the batch; returns how many of its events were stored already."""
         args: list[str | int] = [_HASH_PREFIX, _HASH_SUFFIX, _EVENTS_SUFFIX, self.ttl_s,
                                  self.maxlen, keys.CONSUMER_GROUP, "\n".join(batch.statuses),
-                                 " ".join(batch.expires), "\n".join(batch.acks)]
+                                 "\n".join(f"{job} {self.ttl_s}" if ttl is None
+                                           else f"{job} {ttl} final"
+                                           for job, ttl in batch.expires),
+                                 "\n".join(batch.acks)]
         for shard, lines in enumerate(batch.lines):
             if lines:
                 args += (keys.live_channel(shard), "\n".join(lines))

@@ -16,7 +16,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 from tidegate import keys
+from tidegate.event_log import COMPACT_LUA
 from tidegate.protocol import Job, JobResult, QueuedEvent
+from tidegate.retention import Retention
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,9 +159,9 @@ return {status, next_id, stalls}
 # KEYS: job hash, job events. ARGV: live channel, ttl_s, now_ms, cancel channel, job id,
 # events maxlen.
 # A queued job ends here as cancelled (done event stored and published in the live format of
-# tidegate.event_log); a running one is flagged, and its id pushed to the workers, whose one
+# tidegate.event_log), its keys kept ttl_s from now (the cancelled retention); a running one is flagged, and its id pushed to the workers, whose one
 # running it stops it within a step. Returns what happened.
-_CANCEL_LUA = _NEXT_ID_LUA + """
+_CANCEL_LUA = _NEXT_ID_LUA + COMPACT_LUA + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
 if status == 'running' then
@@ -180,7 +182,9 @@ local raw = cjson.encode(event)
 redis.call('HSET', KEYS[1], 'status', 'done', 'cancel_requested', '1',
            'result', cjson.encode(result))
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], id .. '-0', 'e', raw)
+redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
+compact(KEYS[2], tonumber(ARGV[2]))
 redis.call('PUBLISH', ARGV[1], job['id'] .. ' ' .. id .. ' done ' .. raw)
 return 'cancelled'
 """
@@ -201,9 +205,11 @@ async def claim_many(redis: aioredis.Redis, jobs: list[tuple[str, int]], worker_
             for before, next_id, stalls in await pipe.execute()]
 
 
-async def request_cancel(redis: aioredis.Redis, job_id: str, *, ttl_s: int = keys.JOB_TTL_S) -> str:
-    """Cancel a job: 'cancelled' (it was queued), 'cancelling' (its worker will stop it),
-    'missing', or the final status it already had ('done', 'error', 'rejected')."""
+async def request_cancel(redis: aioredis.Redis, job_id: str, *,
+                         ttl_s: int = Retention().cancelled_s) -> str:
+    """Cancel a job: 'cancelled' (it was queued: its keys are kept ``ttl_s`` from now),
+    'cancelling' (its worker will stop it), 'missing', or the final status it already had
+    ('done', 'error', 'rejected')."""
     from tidegate.protocol import now_ms
 
     return await redis.eval(_CANCEL_LUA, 2, keys.job_hash(job_id), keys.job_events(job_id),

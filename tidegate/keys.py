@@ -18,11 +18,18 @@ LANES: tuple[str, ...] = ("interactive", "batch")
 # The consumer group every worker of one deployment joins on every lane stream.
 CONSUMER_GROUP = "workers"
 
-# A job's hash and event stream outlive the job by this long, so late clients can replay.
+# A job's hash and event stream live this long while it is unfinished; a finished job's keys
+# live as long as its final status's retention (``tidegate.retention``, settings
+# ``*_TTL_S``), so late clients can replay.
 JOB_TTL_S = 24 * 3600
-# A job's event stream is capped (approximately) at this many entries.
+# A job's event stream is capped (approximately) at this many entries: a backstop far above
+# the most a job writes (one entry per token at most, ``MAX_TOKENS_LIMIT`` tokens), since
+# resuming clients and a job taken over by another worker need every event. The text a job
+# stores is bounded at admission instead (``max_output_tokens`` and the model's context).
 EVENTS_MAXLEN = 100_000
-# Lane streams are capped far above any sane backlog; entries are acked, never needed after.
+# Lane streams: every acknowledged entry is trimmed by the event-log script (XTRIM MINID below
+# the oldest entry still pending or unread); this cap, far above any admitted backlog, is a
+# backstop only.
 LANE_MAXLEN = 1_000_000
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -87,6 +94,11 @@ WORKER_HEARTBEAT_TTL_S = 15
 def dead_letter_stream(lane: str) -> str:
     """Jobs that failed ``max_deliveries`` times, with their last error, for an operator."""
     return f"{PREFIX}:dead:{{{lane}}}"
+
+
+# Dead-letter streams keep about this many of the newest entries (XADD MAXLEN ~): an operator
+# looks at recent failures; a storm of them must not grow Redis without bound.
+DEAD_LETTER_MAXLEN = 10_000
 
 
 def idempotency(tenant: str, key: str) -> str:

@@ -8,6 +8,8 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from tidegate.protocol import MAX_TOKENS_LIMIT
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
@@ -61,7 +63,24 @@ class Settings(BaseSettings):
     # Bytes a watcher may have waiting (its queued events, on a WebSocket also its connection's
     # write buffer and kernel send queue) before it is cut with 1013.
     watcher_backlog_bytes: int = Field(default=1 << 20, ge=4096)
+    # How long a job's keys (hash, event stream) live while it is queued or running; every
+    # write refreshes it. Once the job ends, its final status's retention below applies.
     job_ttl_s: int = Field(default=24 * 3600, ge=60)
+    # Retention of a finished job's keys (``tidegate.retention``), by how it ended. Results are
+    # what clients come back for; a rejection or a cancel is told to the client at once (the
+    # 202's stream, or the cancel's answer), so minutes cover a late look. Redis memory in the
+    # steady state is about the sum over statuses of rate x retention x bytes per job
+    # (benchmarks/results/soak.md).
+    result_ttl_s: int = Field(default=24 * 3600, ge=1, description="done jobs")
+    error_ttl_s: int = Field(default=3600, ge=1, description="failed jobs")
+    rejected_ttl_s: int = Field(default=300, ge=1, description="rejected jobs")
+    cancelled_ttl_s: int = Field(default=300, ge=1, description="cancelled jobs")
+    # An Idempotency-Key's claim (about 260 bytes); past its job's retention it is released
+    # anyway, so above result_ttl_s it only costs memory.
+    idempotency_ttl_s: int = Field(default=24 * 3600, ge=1)
+    # The most new tokens one job may ask for (422 on max_tokens beyond it): with the model's
+    # context it bounds the text stored per job (result, done event, token events).
+    max_output_tokens: int = Field(default=MAX_TOKENS_LIMIT, ge=1, le=MAX_TOKENS_LIMIT)
     log_level: str = "INFO"
     # API keys (TIDEGATE_API_KEYS: "k1,k2" or a JSON list), and/or a file of one key per line
     # ('#' comments). None configured: auth is off (local development).

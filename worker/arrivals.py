@@ -177,6 +177,11 @@ class ArrivalIntake:
             assert job is not None
             if claim.before in FINAL_STATUSES:  # cancelled while queued, or finished elsewhere
                 done.append(delivery)
+            elif claim.before == "missing":
+                # Its record expired while it waited (a cancelled job's retention is minutes,
+                # and enqueue writes the record before the entry): nobody waits for it.
+                log.info("job %s has no record (expired): dropped", job.id)
+                done.append(delivery)
             elif claim.before == "cancel_requested":
                 self.publisher.cancelled_before_start(delivery, claim.next_event_id)
             elif claim.stalls >= self.max_deliveries:
@@ -221,7 +226,7 @@ class ArrivalIntake:
             "job": job.model_dump_json(), "job_id": job.id, "attempts": str(delivery.attempt),
             "stalls": str(claim.stalls), "error": last_error, "stream": delivery.stream,
             "message_id": delivery.message_id,
-        }, maxlen=keys.LANE_MAXLEN, approximate=True)
+        }, maxlen=keys.DEAD_LETTER_MAXLEN, approximate=True)
         self.publisher.fail(delivery, claim.next_event_id, code="dead_lettered",
                             message=f"gave up after {claim.stalls} attempts: {last_error}")
 

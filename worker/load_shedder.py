@@ -111,14 +111,16 @@ class LoadShedder:
         self._prefill.append((prompt_tokens, max(seconds - decode_share, seconds * 0.1)))
 
     def prefill_tok_s(self) -> float:
-        if not self._prefill:
+        # Copies (tuple() holds the GIL throughout): the engine thread appends to the windows
+        # while the intake estimates on the event loop, and iterating a growing deque raises.
+        pts = tuple(self._prefill)
+        if not pts:
             return self.config.initial_prefill_tok_s
-        tokens = sum(n for n, _ in self._prefill)
-        return tokens / sum(s for _, s in self._prefill)
+        return sum(n for n, _ in pts) / sum(s for _, s in pts)
 
     def step_s(self, batch_size: int) -> float:
         """Decode step time at ``batch_size``: least squares over recent decode steps."""
-        pts = self._decode
+        pts = tuple(self._decode)  # a copy: see prefill_tok_s
         if not pts:
             return self.config.initial_step_s
         if self._line is None:

@@ -46,6 +46,7 @@ from tidegate.protocol import (
     now_ms,
     token_event_json,
 )
+from tidegate.retention import Retention
 from worker.engine import RequestOutput
 from worker.intake import Delivery
 from worker.metrics import OUTCOMES, WorkerMetrics, outcome_of_finish
@@ -103,15 +104,17 @@ class Ending:
     event_id: int
     fields: dict[str, str]
     outcome: str | None  # the metrics' outcome label; None: nothing ended (a duplicate)
+    ttl_s: int = 0  # the job's retention from now on (``tidegate.retention``)
 
 
 class EventPublisher:
     def __init__(
-        self, redis: aioredis.Redis, worker_id: str, *, ttl_s: int = keys.JOB_TTL_S,
+        self, redis: aioredis.Redis, worker_id: str, *, retention: Retention | None = None,
         metrics: WorkerMetrics | None = None, interval_s: float = 0.0,
         on_finished: Callable[[ActiveJob], None] = lambda job: None,
     ) -> None:
-        self.log = EventLog(redis, ttl_s=ttl_s)
+        self.retention = retention or Retention()
+        self.log = EventLog(redis, ttl_s=self.retention.unfinished_s)
         self.worker_id = worker_id
         self.metrics = metrics or WorkerMetrics()
         self.interval_s = interval_s
@@ -181,10 +184,10 @@ class EventPublisher:
                 id=next_event_id, job_id=job_id, reason=code, message=message)
         else:
             event = ErrorEvent(id=next_event_id, job_id=job_id, code=code, message=message)
-        fields = {"status": "rejected" if rejected else "error",
-                  "error": json.dumps({"code": code, "message": message})}
+        status = "rejected" if rejected else "error"
+        fields = {"status": status, "error": json.dumps({"code": code, "message": message})}
         self._end(Ending(delivery, job_id, event.type, event.model_dump_json(), next_event_id,
-                         fields, outcome))
+                         fields, outcome, self.retention.final_s(status)))
 
     def ack_only(self, delivery: Delivery) -> None:
         """Ack an entry that needs no event (a second delivery of a job running here)."""
@@ -202,7 +205,8 @@ class EventPublisher:
         result = {"text": "", "finish_reason": "cancelled", "usage": usage.model_dump(),
                   "timings": timings.model_dump()}
         self._end(Ending(delivery, job.id, "done", done.model_dump_json(), next_event_id,
-                         {"status": "done", "result": json.dumps(result)}, "cancelled"))
+                         {"status": "done", "result": json.dumps(result)}, "cancelled",
+                         self.retention.cancelled_s))
 
     @property
     def stalled(self) -> bool:
@@ -299,7 +303,7 @@ class EventPublisher:
             if ending.job_id is not None:
                 batch.set_fields(ending.job_id, ending.fields)
                 batch.add_event(ending.job_id, ending.event_id, ending.kind, ending.raw)
-                batch.refresh_ttl(ending.job_id)
+                batch.refresh_ttl(ending.job_id, ending.ttl_s)
             batch.ack(ending.delivery.stream, ending.delivery.message_id)
             if ending.outcome is not None:
                 self.metrics.outcome(ending.outcome)
@@ -377,7 +381,7 @@ class EventPublisher:
                   "usage": usage.model_dump(), "timings": timings.model_dump()}
         batch.set_fields(job.job.id, {"status": "done", "result": json.dumps(result)})
         batch.add_event(job.job.id, job.take_id(), "done", done.model_dump_json(), job.shard)
-        batch.refresh_ttl(job.job.id)
+        batch.refresh_ttl(job.job.id, self.retention.final_s("done", reason))
         batch.ack(job.delivery.stream, job.delivery.message_id)
         m = self.metrics
         m.queue_wait.observe(timings.queue_ms / 1000)

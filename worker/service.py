@@ -47,6 +47,7 @@ from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
 from tidegate.protocol import now_ms
 from tidegate.redis_conn import connect
+from tidegate.retention import Retention
 from tidegate.settings import Settings
 from tidegate.status_server import StatusServer
 from worker.arrivals import IDLE_BLOCK_MS, Arrival, ArrivalIntake
@@ -88,7 +89,8 @@ class QueuePolicy:
 class WorkerService:
     def __init__(
         self, redis: aioredis.Redis, engine: Engine, *, worker_id: str | None = None,
-        partitions: int = 1, ttl_s: int = keys.JOB_TTL_S, policy: QueuePolicy | None = None,
+        partitions: int = 1, retention: Retention | None = None,
+        policy: QueuePolicy | None = None,
         shedder: LoadShedder | None = None, metrics: WorkerMetrics | None = None,
         status: StatusServer | None = None, stream_interval_s: float = 0.0,
     ) -> None:
@@ -101,7 +103,8 @@ class WorkerService:
         self.policy = policy or QueuePolicy()
         self.shedder = shedder or LoadShedder()
         self.intake = StreamIntake(redis, self.worker_id, partitions=partitions)
-        self.publisher = EventPublisher(redis, self.worker_id, ttl_s=ttl_s, metrics=self.metrics,
+        self.publisher = EventPublisher(redis, self.worker_id, retention=retention,
+                                        metrics=self.metrics,
                                         interval_s=stream_interval_s,
                                         on_finished=self._finished)
         self.cancels = CancelListener(redis, self._held_job_ids)
@@ -430,7 +433,8 @@ async def serve(settings: Settings) -> None:
     redis = connect(settings.redis_url, blocking_ms=IDLE_BLOCK_MS)
     metrics = WorkerMetrics(engine)
     service = WorkerService(
-        redis, engine, partitions=settings.lane_partitions, ttl_s=settings.job_ttl_s,
+        redis, engine, partitions=settings.lane_partitions,
+        retention=Retention.from_settings(settings),
         policy=QueuePolicy(int(settings.visibility_timeout_s * 1000), settings.max_deliveries,
                            settings.drain_timeout_s),
         shedder=shedder, metrics=metrics, status=status,

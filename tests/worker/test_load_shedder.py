@@ -71,3 +71,38 @@ def test_a_job_that_would_push_a_running_job_past_its_deadline_is_refused() -> N
     # at batch 2 (12 ms a step) it needs 0.01 + 1.2 s; at batch 1 it would have needed 1.1 s.
     assert s.estimate(10, 10, load, 10.0, running=[(100, 1.3)]).admit
     assert not s.estimate(10, 10, load, 10.0, running=[(100, 1.2)]).admit
+
+
+def test_estimates_on_the_event_loop_survive_steps_recorded_by_the_engine_thread() -> None:
+    # The intake estimates (event loop) while the engine thread records steps: iterating the
+    # step windows while they grew raised "deque mutated during iteration", which killed the
+    # intake task and left the worker heartbeating but taking no job.
+    import sys
+    import threading
+
+    shedder = LoadShedder(ShedderConfig(window=4096))
+    for b in range(1, 4000):
+        shedder.observe_step(0, b % 7 + 1, 0.001 * (b % 7 + 1))
+        shedder.observe_step(64, 1, 0.01)
+    stop = threading.Event()
+
+    def engine_steps() -> None:
+        b = 0
+        while not stop.is_set():
+            b += 1
+            shedder.observe_step(0, b % 7 + 1, 0.001 * (b % 7 + 1))
+            shedder.observe_step(64, b % 3, 0.01)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=engine_steps)
+    thread.start()
+    try:
+        for _ in range(300):
+            shedder._line = None  # refit every time, as after each decode step
+            shedder.step_s(4)
+            shedder.prefill_tok_s()
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)

@@ -341,6 +341,18 @@ async def test_a_worker_started_while_redis_is_down_serves_once_it_is_up(
         await r.aclose()
 
 
+async def test_a_job_whose_record_expired_in_the_queue_never_runs(
+        r: aioredis.Redis, workers: Workers) -> None:
+    gone = await submit(r, prompt="cancelled long ago", max_tokens=8)
+    await request_cancel(r, gone)
+    await r.delete(keys.job_hash(gone), keys.job_events(gone))  # its retention ran out
+    kept = await submit(r, prompt="hello", max_tokens=8, ignore_eos=True)
+    workers.start()
+    assert (await events_of(r, kept))[-1]["type"] == "done"
+    assert await r.exists(keys.job_hash(gone), keys.job_events(gone)) == 0
+    assert (await r.xpending(keys.lane_stream("interactive"), keys.CONSUMER_GROUP))["pending"] == 0
+
+
 async def test_sigterm_drains_and_loses_nothing(r: aioredis.Redis, workers: Workers) -> None:
     draining = workers.start(max_num_seqs=4, drain_timeout_s=1)
     await wait_for_workers(r, 1)
