@@ -118,8 +118,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _check_model(settings.model)
     _check_device(settings.device)
-    asyncio.run(serve(settings))
-    return 0
+    return asyncio.run(serve(settings))
 
 
 def cmd_api(args: argparse.Namespace) -> int:

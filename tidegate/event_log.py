@@ -88,33 +88,51 @@ end
 """
 
 # ARGV: hash prefix, hash suffix, events suffix, ttl_s, events maxlen, consumer group, statuses,
-# expires, acks, then (channel, message) pairs.
+# expires, acks, owner, fenced jobs, then (channel, message) pairs.
+#   owner, fenced jobs: the writing worker, and the jobs (lines) it writes only while it still
+#             owns them: their hash's ``worker`` (set by the claim) must name it. A worker that
+#             lost a job (its entry reclaimed by another while it could not reach Redis) writes
+#             nothing more of it: no event, no field, no TTL, no ack; the job's id is returned.
 #   statuses: lines "job\tfield\tvalue[\tfield\tvalue...]" (values are JSON or plain words: no
 #             tab, no newline); each hash also gets its TTL again.
 #   expires:  lines "job ttl_s" or "job ttl_s final": the job's hash and event stream get this
 #             TTL (after the statuses: the final event's retention wins over the hash's
 #             refresh); with "final", a short event stream is compacted (_COMPACT_LUA).
-#   acks:     lines "stream\tentry id"; each stream is then trimmed below the oldest entry
-#             some consumer group still needs (pending, or not yet delivered).
+#   acks:     lines "stream\tentry id[\tjob]"; each stream is then trimmed below the oldest
+#             entry some consumer group still needs (pending, or not yet delivered).
 #   messages: live lines; each line's event is stored first, and only the events stored by
 #             this call (not duplicates) are published.
-# Returns the number of events already stored (skipped).
+# Returns {the number of events already stored (skipped), the fenced jobs' ids...}.
 _WRITE_LUA = _TRIM_ACKED_LUA + COMPACT_LUA + """
 local hp, hs, es, ttl, maxlen, group = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local dup = 0
+local lost, lost_ids = {}, {}
+for job in string.gmatch(ARGV[11], '[^\\n]+') do
+  if redis.call('HGET', hp .. job .. hs, 'worker') ~= ARGV[10] then
+    lost[job] = true
+    lost_ids[#lost_ids + 1] = job
+  end
+end
 for line in string.gmatch(ARGV[7], '[^\\n]+') do
   local f = {}
   for part in string.gmatch(line, '[^\\t]+') do f[#f + 1] = part end
-  local key = hp .. f[1] .. hs
-  redis.call('HSET', key, unpack(f, 2))
-  redis.call('EXPIRE', key, ttl)
+  if not lost[f[1]] then
+    local key = hp .. f[1] .. hs
+    redis.call('HSET', key, unpack(f, 2))
+    redis.call('EXPIRE', key, ttl)
+  end
 end
-for i = 10, #ARGV, 2 do
+for i = 12, #ARGV, 2 do
   local fresh, all = {}, true
   for line in string.gmatch(ARGV[i + 1], '[^\\n]+') do
     local job, id, raw = string.match(line, '^(%S+) (%d+) %S+ (.*)$')
-    local ok = redis.pcall('XADD', hp .. job .. es, 'MAXLEN', '~', maxlen, id .. '-0', 'e', raw)
-    if type(ok) == 'table' and ok.err then
+    local ok = false
+    if not lost[job] then
+      ok = redis.pcall('XADD', hp .. job .. es, 'MAXLEN', '~', maxlen, id .. '-0', 'e', raw)
+    end
+    if not ok then
+      all = false
+    elseif type(ok) == 'table' and ok.err then
       dup = dup + 1
       all = false
     else
@@ -129,18 +147,22 @@ for i = 10, #ARGV, 2 do
 end
 for line in string.gmatch(ARGV[8], '[^\\n]+') do
   local job, t, final = string.match(line, '^(%S+) (%d+) ?(%a*)$')
-  redis.call('EXPIRE', hp .. job .. es, t)
-  redis.call('EXPIRE', hp .. job .. hs, t)
-  if final == 'final' then compact(hp .. job .. es, t) end
+  if not lost[job] then
+    redis.call('EXPIRE', hp .. job .. es, t)
+    redis.call('EXPIRE', hp .. job .. hs, t)
+    if final == 'final' then compact(hp .. job .. es, t) end
+  end
 end
 local acked = {}
 for line in string.gmatch(ARGV[9], '[^\\n]+') do
-  local stream, id = string.match(line, '^([^\\t]+)\\t(.+)$')
-  redis.pcall('XACK', stream, group, id)
-  acked[stream] = true
+  local stream, id, job = string.match(line, '^([^\\t]+)\\t([^\\t]+)\\t?(.*)$')
+  if not lost[job] then
+    redis.pcall('XACK', stream, group, id)
+    acked[stream] = true
+  end
 end
 for stream in pairs(acked) do trim_acked(stream) end
-return dup
+return {dup, unpack(lost_ids)}
 """
 
 
@@ -171,6 +193,8 @@ class EventBatch:
     # (job id, TTL in seconds or None for the log's own: the job is not finished)
     expires: list[tuple[str, int | None]] = field(default_factory=list)
     acks: list[str] = field(default_factory=list)
+    # Jobs written only while this worker owns them (see ``_WRITE_LUA``: fenced jobs).
+    owned: list[str] = field(default_factory=list)
     events: int = 0
 
     def add_event(self, job_id: str, event_id: int, kind: str, raw: str,
@@ -195,35 +219,56 @@ class EventBatch:
         final event (which also compacts a short event stream)."""
         self.expires.append((job_id, ttl_s))
 
-    def ack(self, stream: str, message_id: str) -> None:
-        self.acks.append(f"{stream}\t{message_id}")
+    def ack(self, stream: str, message_id: str, job_id: str | None = None) -> None:
+        """XACK the entry; with ``job_id``, only while the job is still this worker's."""
+        self.acks.append(f"{stream}\t{message_id}" if job_id is None
+                         else f"{stream}\t{message_id}\t{job_id}")
+
+    def own(self, job_id: str) -> None:
+        """Write the job's part of this batch only if the writing worker still owns it."""
+        self.owned.append(job_id)
 
     def __bool__(self) -> bool:
         return bool(self.events or self.statuses or self.expires or self.acks)
 
 
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What a write did: events it found stored already, and the owned jobs it did not write
+    (another worker owns them now)."""
+
+    duplicates: int
+    lost: list[str]
+
+
 class EventLog:
-    """Writes ``EventBatch``es through one registered script."""
+    """Writes ``EventBatch``es through one registered script; ``owner``: the worker whose
+    batches these are (their owned jobs are fenced by it)."""
 
     def __init__(self, redis: aioredis.Redis, *, ttl_s: int = keys.JOB_TTL_S,
-                 maxlen: int = keys.EVENTS_MAXLEN):
+                 maxlen: int = keys.EVENTS_MAXLEN, owner: str = ""):
         self.redis = redis
         self.ttl_s = ttl_s
         self.maxlen = maxlen
+        self.owner = owner
         self._script = redis.register_script(_WRITE_LUA)
 
-    async def write(self, batch: EventBatch) -> int:
-        """Store and publish the batch; returns how many of its events were stored already."""
+    async def write(self, batch: EventBatch) -> Written:
+        """Store and publish the batch."""
+        if batch.owned and not self.owner:
+            raise ValueError("a batch with owned jobs needs the log's owner")
         args: list[str | int] = [_HASH_PREFIX, _HASH_SUFFIX, _EVENTS_SUFFIX, self.ttl_s,
                                  self.maxlen, keys.CONSUMER_GROUP, "\n".join(batch.statuses),
                                  "\n".join(f"{job} {self.ttl_s}" if ttl is None
                                            else f"{job} {ttl} final"
                                            for job, ttl in batch.expires),
-                                 "\n".join(batch.acks)]
+                                 "\n".join(batch.acks), self.owner or "-",
+                                 "\n".join(batch.owned)]
         for shard, lines in enumerate(batch.lines):
             if lines:
                 args += (keys.live_channel(shard), "\n".join(lines))
-        return int(await self._script(args=args))
+        dup, *lost = await self._script(args=args)
+        return Written(int(dup), [str(job) for job in lost])
 
 
 def add_event(pipe: aioredis.client.Pipeline, job_id: str, raw: str, *,
@@ -246,7 +291,7 @@ async def write_events(redis: aioredis.Redis, events: list[str], *,
     for raw in events:
         event = json.loads(raw)
         batch.add_event(event["job_id"], int(event["id"]), event["type"], raw)
-    return await EventLog(redis, ttl_s=ttl_s).write(batch)
+    return (await EventLog(redis, ttl_s=ttl_s).write(batch)).duplicates
 
 
 async def last_event_id(redis: aioredis.Redis, job_id: str) -> int:

@@ -42,6 +42,10 @@ class CancelListener:
         self._tasks = [asyncio.create_task(self._listen(), name="cancel-listener"),
                        asyncio.create_task(self._sweep(), name="cancel-sweep")]
 
+    @property
+    def tasks(self) -> list[asyncio.Task[None]]:
+        return list(self._tasks)
+
     async def stop(self) -> None:
         # The flag as well as the cancel: redis-py's timeouts can swallow a cancellation
         # (asyncio.wait_for on Python 3.11), and the loops must end all the same.

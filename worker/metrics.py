@@ -152,6 +152,10 @@ class WorkerMetrics:
             "token) or restarted (run again from the start).", ["how"], registry=r)
         for how in ("migrated", "restarted"):
             self.takeovers.labels(how=how)
+        self.lost_jobs = Counter(
+            "tidegate_jobs_lost",
+            "Jobs this worker dropped because another took them over while this one could not "
+            "reach Redis (their visibility timeout passed).", registry=r)
         self.migrated_tokens = Counter(
             "tidegate_migrated_tokens", "Generated tokens migrated jobs continued from.",
             registry=r)

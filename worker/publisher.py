@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
-from tidegate.event_log import EventBatch, EventLog
+from tidegate.event_log import EventBatch, EventLog, Written
 from tidegate.protocol import (
     DoneEvent,
     ErrorEvent,
@@ -112,13 +112,16 @@ class EventPublisher:
         self, redis: aioredis.Redis, worker_id: str, *, retention: Retention | None = None,
         metrics: WorkerMetrics | None = None, interval_s: float = 0.0,
         on_finished: Callable[[ActiveJob], None] = lambda job: None,
+        on_lost: Callable[[list[str]], None] = lambda job_ids: None,
     ) -> None:
         self.retention = retention or Retention()
-        self.log = EventLog(redis, ttl_s=self.retention.unfinished_s)
+        # Fenced by this worker's id: a job another worker took over gets no more writes.
+        self.log = EventLog(redis, ttl_s=self.retention.unfinished_s, owner=worker_id)
         self.worker_id = worker_id
         self.metrics = metrics or WorkerMetrics()
         self.interval_s = interval_s
         self.on_finished = on_finished  # a finished job's result is stored and acked
+        self.on_lost = on_lost  # jobs another worker owns now: this one must drop them
         self.healthy = asyncio.Event()  # the last write succeeded
         self.healthy.set()
         self._write_since: float | None = None  # monotonic start of the write in flight
@@ -147,7 +150,9 @@ class EventPublisher:
         gaps: dict[int, int] = {}
         dirty = self._dirty
         for out in outputs:
-            job = active[out.request_id]
+            job = active.get(out.request_id)
+            if job is None:  # lost to another worker, and aborted here: nothing to write
+                continue
             if out.token_id is not None:
                 if not job.token_ids:
                     job.index = out.index
@@ -225,6 +230,10 @@ class EventPublisher:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="event-writer")
 
+    @property
+    def tasks(self) -> list[asyncio.Task[None]]:
+        return [self._task] if self._task is not None else []
+
     async def stop(self) -> None:
         if self._task is not None:
             await cancel_and_wait(self._task)
@@ -250,23 +259,27 @@ class EventPublisher:
             batch, finished = self._snapshot()
             self.metrics.publish_cpu_seconds.inc(time.thread_time() - cpu)
             if batch:
-                await self._write(batch)
+                written = await self._write(batch)
                 self.metrics.event_writes.inc()
                 self.metrics.events_written.inc(batch.events)
                 last = time.monotonic()
+                lost = set(written.lost)
+                if lost:
+                    self._drop(lost)
                 for job in finished:
-                    self.on_finished(job)
+                    if job.job_id not in lost:
+                        self.on_finished(job)
             if not self._dirty and not self._endings:
                 self._idle.set()
 
-    async def _write(self, batch: EventBatch) -> None:
+    async def _write(self, batch: EventBatch) -> Written:
         self._write_since = time.monotonic()
         try:
             while True:
                 try:
-                    await self.log.write(batch)
+                    written = await self.log.write(batch)
                     self.healthy.set()
-                    return
+                    return written
                 except RedisError as exc:
                     if self.healthy.is_set():
                         log.warning("redis unavailable (%s); holding %d events", exc,
@@ -275,6 +288,17 @@ class EventPublisher:
                     await asyncio.sleep(RETRY_S)
         finally:
             self._write_since = None
+
+    def _drop(self, lost: set[str]) -> None:
+        """Jobs whose entries another worker reclaimed while this one could not reach Redis
+        (it went on computing them): that worker continues them from what was stored, so
+        nothing more of them is written here."""
+        log.warning("%d jobs were taken over by another worker while Redis was out of reach; "
+                    "dropping them here", len(lost))
+        for job_id in lost:
+            self._dirty.pop(job_id, None)
+        self.metrics.lost_jobs.inc(len(lost))
+        self.on_lost(sorted(lost))
 
     def _mark(self, job: ActiveJob) -> None:
         self._dirty[job.job.id] = job
@@ -294,6 +318,7 @@ class EventPublisher:
         batch, finished = EventBatch(), []
         dirty, self._dirty = self._dirty, {}
         for job in dirty.values():
+            batch.own(job.job_id)
             self._job_events(batch, job)
             if job.end is not None:
                 self._finish(batch, job)
@@ -382,7 +407,7 @@ class EventPublisher:
         batch.set_fields(job.job.id, {"status": "done", "result": json.dumps(result)})
         batch.add_event(job.job.id, job.take_id(), "done", done.model_dump_json(), job.shard)
         batch.refresh_ttl(job.job.id, self.retention.final_s("done", reason))
-        batch.ack(job.delivery.stream, job.delivery.message_id)
+        batch.ack(job.delivery.stream, job.delivery.message_id, job.job.id)
         m = self.metrics
         m.queue_wait.observe(timings.queue_ms / 1000)
         m.ttft.observe(timings.ttft_ms / 1000)

@@ -71,6 +71,7 @@ from worker.publisher import ActiveJob, EventPublisher
 log = logging.getLogger("tidegate.worker")
 
 HEARTBEAT_EVERY_S = 5.0
+KEEPALIVE_RETRY_S = 0.5
 LOAD_EVERY_S = 0.1  # how often a full worker notes its load for the intake's peeks
 EARLY_CANCEL_KEEP_S = 60.0
 
@@ -106,7 +107,7 @@ class WorkerService:
         self.publisher = EventPublisher(redis, self.worker_id, retention=retention,
                                         metrics=self.metrics,
                                         interval_s=stream_interval_s,
-                                        on_finished=self._finished)
+                                        on_finished=self._finished, on_lost=self._lost)
         self.cancels = CancelListener(redis, self._held_job_ids)
         self._work = asyncio.Event()  # arrivals, or a stop, for an idle main loop
         self.arrivals = ArrivalIntake(
@@ -123,6 +124,8 @@ class WorkerService:
         self._max_tokens_bound = 0
         self._early_cancels: dict[str, float] = {}  # cancels of jobs not admitted yet
         self._drain_until: float | None = None
+        self.failed = False  # a task beside the main loop died (``_task_ended``)
+        self._to_drop: list[str] = []  # jobs lost to another worker, to abort in the engine
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -142,20 +145,25 @@ class WorkerService:
     def draining(self) -> bool:
         return self._drain_until is not None
 
-    async def run(self) -> None:
+    async def run(self) -> int:
+        """Serve until drained: 0, or 1 when a task beside the main loop died (logged; the
+        jobs are handed back, so another worker continues them)."""
         await self._until_redis(self.intake.ensure_groups)
         self.publisher.start()
         self.cancels.start()
-        background = [asyncio.create_task(self._heartbeat()),
-                      asyncio.create_task(self._keepalive())]
+        background = [asyncio.create_task(self._heartbeat(), name="heartbeat"),
+                      asyncio.create_task(self._keepalive(), name="keepalive")]
+        for task in [*background, *self.publisher.tasks, *self.cancels.tasks]:
+            task.add_done_callback(self._task_ended)
         try:
             # Jobs are claimed only once cancel requests can reach this worker.
             while not self.cancels.ready.is_set() and not self.draining:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(1.0):
                         await self.cancels.ready.wait()
-            background.append(asyncio.create_task(self.arrivals.run(lambda: self.draining),
-                                                  name="intake"))
+            intake = asyncio.create_task(self.arrivals.run(lambda: self.draining), name="intake")
+            intake.add_done_callback(self._task_ended)
+            background.append(intake)
             log.info("worker %s ready on %d streams", self.worker_id, len(self.intake.streams))
             while not self._drained():
                 await self._iteration()
@@ -168,6 +176,19 @@ class WorkerService:
                 await self.redis.delete(keys.worker_heartbeat(self.worker_id))
             except RedisError:
                 pass
+        return 1 if self.failed else 0
+
+    def _task_ended(self, task: asyncio.Task[object]) -> None:
+        """A task beside the main loop ended. Each runs until cancelled (the intake until the
+        drain): one that died would leave the worker up but deaf (no jobs read, or none
+        written), so the worker stops at once and exits 1 for its supervisor to restart."""
+        if task.cancelled() or (self.draining and task.exception() is None):
+            return  # stopped, or ended by the drain
+        self.failed = True
+        log.error("worker task %s died; stopping the worker", task.get_name(),
+                  exc_info=task.exception())
+        self._drain_until = time.monotonic()
+        self._work.set()
 
     def _drained(self) -> bool:
         if self._drain_until is None:
@@ -222,6 +243,15 @@ class WorkerService:
         if not self.active:
             self._min_deadline_ms, self._max_tokens_bound = math.inf, 0
 
+    def _lost(self, job_ids: list[str]) -> None:
+        """Another worker owns these jobs now (``EventPublisher._drop``): stop computing them."""
+        for job_id in job_ids:
+            if self.active.pop(job_id, None) is not None:
+                self._to_drop.append(job_id)  # the engine is told at the next boundary
+        self._work.set()
+        if not self.active:
+            self._min_deadline_ms, self._max_tokens_bound = math.inf, 0
+
     def _held_job_ids(self) -> list[str]:
         return [*self.active, *(a.job.id for a in self.arrivals.arrivals)]
 
@@ -263,6 +293,10 @@ class WorkerService:
                 else:
                     upcoming.append(job.job.deadline_ms)
             self._min_deadline_ms = min(upcoming, default=math.inf)
+        if self._to_drop:
+            for job_id in self._to_drop:
+                self.engine.abort(job_id, "cancelled")  # its output is dropped: not active
+            self._to_drop.clear()
         cancels = self.cancels.take()
         if cancels or self._early_cancels:
             t = time.monotonic()
@@ -365,13 +399,19 @@ class WorkerService:
     # ------------------------------------------------------------------ beside everything
 
     async def _keepalive(self) -> None:
-        """Refresh in-flight entries well inside the visibility timeout."""
+        """Refresh in-flight entries well inside the visibility timeout; after a failure
+        (Redis out of reach) again every half second, so the entries are fresh the moment
+        Redis answers, before another worker could take them as abandoned."""
+        every_s = self.policy.visibility_timeout_ms / 3000
         while True:
-            await asyncio.sleep(self.policy.visibility_timeout_ms / 3000)
+            await asyncio.sleep(every_s)
             try:
                 await self.intake.touch(self.arrivals.held())
+                every_s = self.policy.visibility_timeout_ms / 3000
             except RedisError as exc:
-                log.warning("keepalive failed: %s", exc)
+                if every_s > KEEPALIVE_RETRY_S:
+                    log.warning("keepalive failed: %s", exc)
+                every_s = KEEPALIVE_RETRY_S
 
     async def _heartbeat(self) -> None:
         """Keep the worker's key alive, holding its load for ``tidegate.queue_stats``."""
@@ -415,7 +455,7 @@ def build_engine(settings: Settings) -> Engine:
     ))
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings) -> int:
     """Load the model, join the consumer group and run until SIGTERM/SIGINT (then drain)."""
     status = None
     if settings.metrics_port:  # up first: probes get answers while the model loads
@@ -447,7 +487,7 @@ async def serve(settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.stop)
     try:
-        await service.run()
+        return await service.run()
     finally:
         await redis.aclose()
         if status is not None:

@@ -42,7 +42,7 @@ async def test_a_batch_is_stored_under_its_ids_and_published_once_per_channel(
             batch.add_event(job, event_id, "token", token(job, event_id))
         batch.set_fields(job, {"status": "done", "result": '{"text": "xx"}'})
     log = EventLog(aredis)
-    assert await log.write(batch) == 0
+    assert (await log.write(batch)).duplicates == 0
     for job in jobs:
         entries = await aredis.xrange(keys.job_events(job))
         assert [entry_id for entry_id, _ in entries] == ["1-0", "2-0"]
@@ -57,7 +57,7 @@ async def test_a_batch_is_stored_under_its_ids_and_published_once_per_channel(
     assert len(live) == len({keys.job_live_channel(j) for j in jobs})  # one per channel
     # The same batch again (a retry after a lost reply) and one new event: only that one.
     batch.add_event("job-a", 3, "token", token("job-a", 3, "y"))
-    assert await log.write(batch) == 4
+    assert (await log.write(batch)).duplicates == 4
     assert [e.id for e in await stored_events(aredis, "job-a")] == [1, 2, 3]
     again = [line for message in await messages(pubsub) for line in parse_live(message)]
     assert [(job, eid) for job, eid, _, _ in again] == [("job-a", 3)]
@@ -81,3 +81,36 @@ async def test_acks_follow_the_stored_results(aredis: aioredis.Redis) -> None:
     batch.ack(stream, entry)
     await asyncio.wait_for(EventLog(aredis).write(batch), 5)
     assert await last_event_id(aredis, "job-c") == 2
+
+
+async def test_a_worker_that_lost_a_job_writes_nothing_more_of_it(aredis: aioredis.Redis) -> None:
+    """Fencing: another worker reclaimed job-d (the claim named it in the hash) while this one
+    could not reach Redis; this one's held batch stores, publishes, sets and acks nothing of
+    job-d, and says so, while its job-e goes through."""
+    stream = keys.lane_stream("interactive")
+    await aredis.xgroup_create(stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
+    entries = {job: await aredis.xadd(stream, {"job": "{}"}) for job in ("job-d", "job-e")}
+    await aredis.xreadgroup(keys.CONSUMER_GROUP, "w1", {stream: ">"})
+    await aredis.hset(keys.job_hash("job-d"), mapping={"status": "running", "worker": "w2"})
+    await aredis.hset(keys.job_hash("job-e"), mapping={"status": "running", "worker": "w1"})
+    pubsub = aredis.pubsub()
+    await pubsub.subscribe(*{keys.job_live_channel(j) for j in entries})
+    await pubsub.get_message(timeout=1)
+    batch = EventBatch()
+    for job, entry in entries.items():
+        batch.own(job)
+        batch.add_event(job, 1, "token", token(job, 1))
+        batch.set_fields(job, {"status": "done", "result": '{"text": "x"}'})
+        batch.refresh_ttl(job, 60)
+        batch.ack(stream, entry, job)
+    written = await EventLog(aredis, owner="w1").write(batch)
+    assert written.lost == ["job-d"] and written.duplicates == 0
+    assert await aredis.xlen(keys.job_events("job-d")) == 0
+    assert await aredis.hget(keys.job_hash("job-d"), "status") == "running"
+    assert await aredis.ttl(keys.job_hash("job-d")) == -1
+    assert await aredis.hget(keys.job_hash("job-e"), "status") == "done"
+    pending = await aredis.xpending_range(stream, keys.CONSUMER_GROUP, "-", "+", 10)
+    assert [p["message_id"] for p in pending] == [entries["job-d"]]
+    live = [line for message in await messages(pubsub) for line in parse_live(message)]
+    assert [(job, eid) for job, eid, _, _ in live] == [("job-e", 1)]
+    await pubsub.aclose()

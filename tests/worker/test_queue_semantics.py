@@ -268,6 +268,40 @@ async def test_a_killed_workers_jobs_migrate_and_end_as_if_never_interrupted(
     assert (await r.xpending(keys.lane_stream("interactive"), keys.CONSUMER_GROUP))["pending"] == 0
 
 
+async def test_a_worker_frozen_past_its_timeout_drops_the_job_the_other_continues(
+        r: aioredis.Redis, workers: Workers, tmp_path) -> None:  # noqa: ANN001
+    """A worker stalls (SIGSTOP: a long GC pause, a partition) past the visibility timeout; the
+    other takes its job over. Woken, the first must write nothing more of it (fenced), or the
+    two would interleave their tokens: the stream stays one continuous run."""
+    log = tmp_path / "frozen.log"
+    os.environ["TIDEGATE_TEST_WORKER_LOG"] = str(log)
+    try:
+        frozen = workers.start(max_num_seqs=1)
+    finally:
+        del os.environ["TIDEGATE_TEST_WORKER_LOG"]
+    await wait_for_workers(r, 1)
+    job_id = await submit(r, **{**LONG, "max_tokens": 800})
+    await wait_started(r, job_id, tokens=20)
+    frozen.send_signal(signal.SIGSTOP)
+    try:
+        workers.start(max_num_seqs=1)
+        async for e in follow(r, job_id):
+            if e.type == "migrated":
+                break
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+    events = await events_of(r, job_id)
+    text, ids = continuous(events)
+    assert len(ids) == 800 and types(events).count("done") == 1
+    reference = await submit(r, **{**LONG, "max_tokens": 800})
+    assert continuous(await events_of(r, reference))[0] == text
+    deadline = time.monotonic() + 30
+    while "taken over by another worker" not in log.read_text():
+        assert time.monotonic() < deadline, "the frozen worker never noticed"
+        await asyncio.sleep(0.2)
+    assert frozen.poll() is None
+
+
 async def test_a_job_killed_each_time_it_progresses_is_never_dead_lettered(
         r: aioredis.Redis, workers: Workers) -> None:
     reference = await submit(r, **{**LONG, "max_tokens": 400})
@@ -351,6 +385,24 @@ async def test_a_job_whose_record_expired_in_the_queue_never_runs(
     assert (await events_of(r, kept))[-1]["type"] == "done"
     assert await r.exists(keys.job_hash(gone), keys.job_events(gone)) == 0
     assert (await r.xpending(keys.lane_stream("interactive"), keys.CONSUMER_GROUP))["pending"] == 0
+
+
+async def test_a_worker_whose_intake_dies_says_so_and_exits_1(
+        r: aioredis.Redis, workers: Workers, tmp_path) -> None:  # noqa: ANN001
+    log = tmp_path / "worker.log"
+    os.environ["TIDEGATE_TEST_WORKER_LOG"] = str(log)
+    try:
+        proc = workers.start()
+    finally:
+        del os.environ["TIDEGATE_TEST_WORKER_LOG"]
+    await wait_for_workers(r, 1)
+    # An operator's mistake: the lane's stream replaced by a string (reads now fail WRONGTYPE).
+    lane = keys.lane_stream("interactive")
+    await r.delete(lane)
+    await r.set(lane, "not a stream")
+    assert await asyncio.to_thread(proc.wait, 60) == 1
+    text = log.read_text()
+    assert "worker task intake died; stopping the worker" in text and "ResponseError" in text
 
 
 async def test_sigterm_drains_and_loses_nothing(r: aioredis.Redis, workers: Workers) -> None:
