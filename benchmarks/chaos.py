@@ -253,6 +253,7 @@ async def run_chaos(cfg: ChaosConfig, logdir: Path) -> dict:
     report.update(chaos_s=round(chaos_s, 1), reference_s=round(reference_s, 1),
                   total_s=round(time.monotonic() - t0, 1), answers=answers,
                   unexpected_exits=stack.exits, logs=log_findings(logdir))
+    (logdir / "report.json").write_text(json.dumps(report, indent=1))
     return report
 
 
@@ -278,13 +279,25 @@ def log_findings(logdir: Path) -> dict[str, int]:
     return found
 
 
+def mismatch(got: JobOutcome, ref: JobOutcome) -> dict:
+    """How a job's result differs from the reference run's."""
+    a, b = got.text or "", ref.text or ""
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                 min(len(a), len(b)))
+    return {"index": got.index, "job_id": got.job_id, "sampled": got.sampled,
+            "tokens": got.tokens, "reference_tokens": ref.tokens, "chars": len(a),
+            "first_differing_char": first, "restarts": got.restarts,
+            "migrations": got.migrations, "finish_reason": got.finish_reason,
+            "reference_finish_reason": ref.finish_reason}
+
+
 def summarize(cfg: ChaosConfig, outcomes: list[JobOutcome], reference: list[JobOutcome],
               monkey: ChaosMonkey, server: dict) -> dict:
     log = monkey.log
     accepted = [o for o in outcomes if o.job_id is not None]
     ended = [o for o in accepted if o.final is not None]
     finals = Counter(o.final if o.final != "error" else f"error:{o.code}" for o in ended)
-    mismatches = [o.index for o, ref in zip(outcomes, reference, strict=True)
+    mismatches = [mismatch(o, ref) for o, ref in zip(outcomes, reference, strict=True)
                   if o.final == "done" and ref.final == "done"
                   and (o.text != ref.text or o.tokens != ref.tokens)]
     broken = {o.index: o.problems for o in outcomes if o.problems}
@@ -354,6 +367,7 @@ def headline(report: dict) -> str:
         f"{r['duplicate_events']}/{r['missing_events']}, stalled streams {r['stalls']}, "
         f"jobs with stream problems "
         f"{len(r['stream_problems'])}, reference mismatches {len(r['reference_mismatches'])}",
+        *([f"mismatches: {r['reference_mismatches'][:5]}"] if r["reference_mismatches"] else []),
         f"server: {r['server']}; tracebacks in logs: {r['logs'] or 'none'}",
         f"time: chaos {r['chaos_s']} s, reference {r['reference_s']} s, total {r['total_s']} s",
         f"{'PASS' if passed(r) else 'FAIL'}",

@@ -22,10 +22,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 async def test_every_job_survives_worker_redis_and_gateway_kills_exactly(tmp_path: Path) -> None:
-    plan = ChaosPlan(duration_s=24, worker_kills=4, redis_restarts=2, gateway_restarts=1,
+    # Three workers, so that a kill need not wait for the last one's replacement to load.
+    plan = ChaosPlan(duration_s=20, worker_kills=4, redis_restarts=2, gateway_restarts=1,
                      outage_s=(0.5, 1.5), seed=1)
-    cfg = ChaosConfig(plan=plan, jobs=40, concurrency=24, max_tokens=(100, 500), sse_every=4,
-                      workers=2, max_num_seqs=16, patience_s=90, seed=1)
+    cfg = ChaosConfig(plan=plan, jobs=40, concurrency=24, max_tokens=(80, 400), sse_every=4,
+                      workers=3, max_num_seqs=16, patience_s=90, seed=1)
     report = await run_chaos(cfg, tmp_path / "logs")
     summary = headline(report)
     # What was done to the stack, and that jobs were caught mid-run by it.
