@@ -10,7 +10,9 @@ load generator's CPU, and what else was busy on the machine meanwhile.
 Scenarios: ``plain`` (a short prompt), ``chat`` (system + user messages, rendered by the chat
 template), ``idem`` (a plain prompt with a fresh ``Idempotency-Key`` header on every request:
 every answer is a 202), ``auth`` (a plain prompt with ``Authorization: Bearer``, the API started
-with ``TIDEGATE_API_KEYS``), ``long`` (a ~1,500-character prompt: 1,500 tokens for random:tiny, ~300 for smollm2).
+with ``TIDEGATE_API_KEYS``), ``limits`` (as ``auth``, with per-tenant rate limits far above the
+load: every submit runs the bucket script, none is refused), ``long`` (a ~1,500-character
+prompt: 1,500 tokens for random:tiny, ~300 for smollm2).
 
 Nothing consumes the lane, so the API runs with ``TIDEGATE_MAX_BACKLOG`` far above what a run
 enqueues (no 429 can come) and Redis is flushed before every run; after each run the lane
@@ -50,7 +52,13 @@ from pathlib import Path
 import redis
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = ("plain", "chat", "idem", "auth", "long")
+SCENARIOS = ("plain", "chat", "idem", "auth", "long", "limits")
+# How the API is started for a scenario (the others: no key, no limit): auth, extra env.
+API_CONFIGS: dict[str, tuple[bool, dict[str, str]]] = {
+    "auth": (True, {}),
+    "limits": (True, {"TIDEGATE_RATE_LIMIT_REQUESTS_PER_S": "1000000000",
+                      "TIDEGATE_RATE_LIMIT_TOKENS_PER_MIN": "1000000000000"}),
+}
 API_KEYS = ("bench-key-one", "bench-key-two", "bench-key-three")
 PROMPT = "Write a haiku about the tide coming in over the mudflats."
 MESSAGES = [
@@ -324,7 +332,7 @@ def one_run(args: argparse.Namespace, rds: RedisProc, api: ApiProc, model: str, 
             repeat: int, workdir: Path) -> Result:
     rds.client.flushall()
     headers = {"Content-Type": "application/json"}
-    if scenario == "auth":
+    if scenario in API_CONFIGS:
         headers["Authorization"] = f"Bearer {API_KEYS[1]}"
     api_cpu0, redis_cpu0 = proc_cpu_s(api.proc.pid), proc_cpu_s(rds.proc.pid)
     busy0, self0, children0 = machine_busy_s(), time.process_time(), os.times()
@@ -395,13 +403,15 @@ def main() -> int:
         rds = RedisProc(workdir, args.redis_cpus)
         try:
             for model in args.models:
-                for auth in (False, True):
-                    scenarios = [s for s in args.scenarios if (s == "auth") == auth]
+                for config in ("open", *API_CONFIGS):
+                    scenarios = [s for s in args.scenarios
+                                 if (s if s in API_CONFIGS else "open") == config]
                     if not scenarios:
                         continue
+                    auth, env = API_CONFIGS.get(config, (False, {}))
                     api = ApiProc(rds.url, model, auth=auth, cpus=args.api_cpus,
                                   log_path=workdir / "api.log", max_backlog=args.max_backlog,
-                                  extra_env={})
+                                  extra_env=env)
                     try:
                         for scenario in scenarios:
                             if args.warmup > 0:

@@ -56,6 +56,10 @@ class Admission:
         prompt leaves, rather than a refusal over a field it never sent. CPU-bound on long
         prompts: in async code, call it from a worker thread unless ``is_quick``.
         """
+        return self.admit(request)[0]
+
+    def admit(self, request: JobRequest) -> tuple[JobRequest, int]:
+        """``check``, with the prompt's token count (what the rate limiter charges)."""
         prompt_tokens = self.count_prompt_tokens(request)
         field = "prompt" if request.prompt is not None else "messages"
         if prompt_tokens >= self.max_context:
@@ -66,14 +70,14 @@ class Admission:
             )
         room = self.max_context - prompt_tokens
         if "max_tokens" not in request.model_fields_set and request.max_tokens > room:
-            return request.model_copy(update={"max_tokens": room})
+            return request.model_copy(update={"max_tokens": room}), prompt_tokens
         if request.max_tokens > room:
             raise AdmissionError(
                 "max_tokens",
                 f"prompt ({prompt_tokens} tokens) + max_tokens ({request.max_tokens}) exceeds "
                 f"the model's context of {self.max_context} tokens; at most {room} fit",
             )
-        return request
+        return request, prompt_tokens
 
     @staticmethod
     def is_quick(request: JobRequest) -> bool:

@@ -30,6 +30,7 @@ from producer.admission import Admission, AdmissionError
 from producer.backlog import LaneBacklog, LaneFull
 from producer.errors import FieldError, error_body, field_errors
 from producer.idempotency import Claim, ClaimInProgress
+from producer.rate_limit import RateLimiter
 from producer.refusal import Refusal, refusal_of
 from producer.socket_submit import SocketSubmit
 from tidegate.auth import Auth, AuthError, job_access, new_stream_token, token_hash
@@ -52,6 +53,7 @@ class ProducerAPI:
         self.settings = settings
         self.auth = auth if auth is not None else Auth.from_settings(settings)
         self._admission = admission  # None: loaded from settings.model by start()
+        self.limiter = RateLimiter.from_settings(settings, self.auth)
         self._backlog = LaneBacklog(max_backlog=settings.max_backlog,
                                     partitions=settings.lane_partitions,
                                     retry_after_s=settings.retry_after_s)
@@ -115,23 +117,29 @@ class ProducerAPI:
         (its worker stops it within a step); 409 if it had already finished."""
         return await _answer(self._cancel(request))
 
-    async def submit_job(self, job_request: JobRequest, *, tenant: str) -> Job:
-        """Admit a validated request, check its lane's backlog and enqueue its job for
-        ``tenant``: what every submit route does. Raises ``Refusal`` (admission), ``LaneFull``
-        or ``RedisError``."""
-        job = await self._admitted_job(job_request)
+    async def submit_job(self, job_request: JobRequest, *, tenant: str,
+                         rate_headers: dict[str, str] | None = None) -> Job:
+        """Admit a validated request, check its lane's backlog and ``tenant``'s rate limits and
+        enqueue its job: what every submit route does. Raises ``Refusal`` (admission,
+        ``RateLimited``), ``LaneFull`` or ``RedisError``. ``rate_headers`` receives the
+        ``x-ratelimit-*`` headers for the answer."""
+        job = await self._admitted_job(job_request, tenant, rate_headers)
         await self._enqueue(job, tenant=tenant)
         return job
 
     async def _submit(self, request: Request) -> Response:
         tenant = self.auth.tenant(request.headers.get("authorization"))
         body = _with_header_key(await _read_json(request), request.headers.get("idempotency-key"))
-        claim, status, code = await self.accept(tenant, body)
-        return self._accepted(request, claim, status, code)
+        rate_headers: dict[str, str] = {}
+        claim, status, code = await self.accept(tenant, body, rate_headers=rate_headers)
+        return self._accepted(request, claim, status, code, rate_headers)
 
-    async def accept(self, tenant: str, body: Any) -> tuple[Claim, str, int]:
+    async def accept(self, tenant: str, body: Any, *,
+                     rate_headers: dict[str, str] | None = None) -> tuple[Claim, str, int]:
         """Validate, admit and enqueue a submitted body for ``tenant``: (claim, status, 202),
-        or the earlier job's (claim, status, 200) for a repeated ``idempotency_key``.
+        or the earlier job's (claim, status, 200) for a repeated ``idempotency_key`` (not
+        charged to the rate limits: a retry of a job already made). ``rate_headers`` as for
+        ``submit_job``.
 
         Raises ``Refusal``, ``LaneFull``, ``ClaimInProgress`` or ``RedisError``; ``refusal_of``
         turns each into the API's error.
@@ -141,7 +149,7 @@ class ProducerAPI:
         redis = self._submit_redis()
         if key is not None and (earlier := await idempotency.replay(redis, tenant, key)):
             return earlier.claim, earlier.status, 200
-        job = await self._admitted_job(job_request)
+        job = await self._admitted_job(job_request, tenant, rate_headers)
         claim = Claim(job_id=job.id, stream_token=new_stream_token(), created_ms=job.created_ms)
         if key is not None and not await idempotency.claim(redis, tenant, key, claim):
             twin = await idempotency.replay(redis, tenant, key)  # the concurrent submit's
@@ -157,10 +165,17 @@ class ProducerAPI:
             raise
         return claim, "queued", 202
 
-    async def _admitted_job(self, job_request: JobRequest) -> Job:
-        """The job to enqueue, once admission and the lane's backlog allow it."""
-        job_request = await self._admit(job_request)
+    async def _admitted_job(self, job_request: JobRequest, tenant: str,
+                            rate_headers: dict[str, str] | None) -> Job:
+        """The job to enqueue, once admission, the lane's backlog and the tenant's rate limits
+        allow it (charged last: a submit refused for any other reason costs nothing)."""
+        job_request, prompt_tokens = await self._admit(job_request)
         await self._backlog.check(self._connected(), job_request.lane)
+        rate = await self.limiter.charge(self._submit_redis(), tenant,
+                                         prompt_tokens=prompt_tokens,
+                                         max_tokens=job_request.max_tokens)
+        if rate is not None and rate_headers is not None:
+            rate_headers.update(rate.headers())
         return job_request.to_job(default_timeout_s=self.settings.default_timeout_s)
 
     async def _enqueue(self, job: Job, *, tenant: str, stream_token: str | None = None) -> None:
@@ -198,10 +213,12 @@ class ProducerAPI:
         self.auth.check_owner(tenant, access)
         return job_id
 
-    def _accepted(self, request: Request, claim: Claim, status: str, code: int) -> Response:
+    def _accepted(self, request: Request, claim: Claim, status: str, code: int,
+                  headers: Mapping[str, str]) -> Response:
         body = {"id": claim.job_id, "stream_url": self._stream_url(request, claim.job_id),
                 "status": status, "stream_token": claim.stream_token}
-        return JSONResponse(body, code, headers={"Location": f"/v1/jobs/{claim.job_id}"})
+        return JSONResponse(body, code,
+                            headers={"Location": f"/v1/jobs/{claim.job_id}", **headers})
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -213,17 +230,19 @@ class ProducerAPI:
         return await readiness_response(self._redis)
 
     async def metrics(self, request: Request) -> Response:
-        """Prometheus: the queue per lane and the live workers (no key: scrapers hold none;
-        nothing here names a job or a tenant)."""
-        return await metrics_response(self._connected(), self.settings.lane_partitions)
+        """Prometheus: the queue per lane, the live workers and this process's rate-limit
+        refusals by tenant id (no key: scrapers hold none; nothing here names a job)."""
+        return await metrics_response(self._connected(), self.settings.lane_partitions,
+                                      collectors=[self.limiter])
 
-    async def _admit(self, job_request: JobRequest) -> JobRequest:
+    async def _admit(self, job_request: JobRequest) -> tuple[JobRequest, int]:
+        """The request as admitted, and its prompt's token count."""
         if self._admission is None:
             raise RuntimeError("ProducerAPI.start() was not called")
         try:
             if self._admission.is_quick(job_request):
-                return self._admission.check(job_request)
-            return await anyio.to_thread.run_sync(self._admission.check, job_request)
+                return self._admission.admit(job_request)
+            return await anyio.to_thread.run_sync(self._admission.admit, job_request)
         except AdmissionError as exc:
             fields = [FieldError(field=exc.field, reason=exc.reason)]
             raise Refusal(422, exc.type, str(exc), fields) from exc

@@ -97,6 +97,17 @@ class QueueFull(TidegateError):
         self.retry_after_s = retry_after_s
 
 
+class RateLimitExceeded(QueueFull):
+    """The API key's rate limit (429 ``rate_limited``): ``limit`` is "requests" or "tokens";
+    ``retry_after_s`` None means the request can never fit (its tokens exceed the limit)."""
+
+    default_type = "rate_limited"
+
+    def __init__(self, message: str, *, limit: str | None = None, **kw: Any):
+        super().__init__(message, **kw)
+        self.limit = limit
+
+
 def field_errors(exc: ValidationError) -> list[FieldError]:
     """One ``FieldError`` per pydantic error, located by a dotted path.
 
@@ -139,6 +150,10 @@ def error_from_response(status: int, body: Any, retry_after: str | None = None) 
         job_status = err.get("status")
         return Conflict(message, job_status=job_status if isinstance(job_status, str) else None,
                         type=kind, status=status)
+    if status == 429 and kind == "rate_limited":
+        limit = err.get("limit")
+        return RateLimitExceeded(message, limit=limit if isinstance(limit, str) else None,
+                                 retry_after_s=_seconds(retry_after), type=kind, status=status)
     if status == 429:
         return QueueFull(message, retry_after_s=_seconds(retry_after), type=kind, status=status)
     if status in (502, 503, 504):

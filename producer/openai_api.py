@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp
 
 from producer.api import ProducerAPI, Refusal, _read_json
 from producer.backlog import LaneFull
@@ -25,6 +26,7 @@ from producer.openai_answer import Answer
 from producer.openai_errors import OpenAIError, from_refusal, model_not_found
 from producer.openai_format import ChatShape, CompletionShape, Shape, TokenSpeller
 from producer.openai_schema import ChatCompletionRequest, CompletionRequest, parse_body
+from producer.rate_limit import with_headers
 from tidegate.auth import AuthError
 from tidegate.model_source import resolve_model
 
@@ -62,11 +64,11 @@ class OpenAIRoutes:
             raise RuntimeError("ProducerAPI.start() was not called")
         return TokenSpeller(admission.tokenizer)
 
-    async def completions(self, request: Request) -> Response | Answer:
+    async def completions(self, request: Request) -> Response | ASGIApp:
         """``POST /v1/completions``."""
         return await self._generate(request, CompletionRequest, CompletionShape, "cmpl-")
 
-    async def chat_completions(self, request: Request) -> Response | Answer:
+    async def chat_completions(self, request: Request) -> Response | ASGIApp:
         """``POST /v1/chat/completions``."""
         return await self._generate(request, ChatCompletionRequest, ChatShape, "chatcmpl-")
 
@@ -90,26 +92,32 @@ class OpenAIRoutes:
     async def _generate(self, request: Request,
                         kind: type[CompletionRequest] | type[ChatCompletionRequest],
                         shape: type[ChatShape] | type[CompletionShape],
-                        id_prefix: str) -> Response | Answer:
+                        id_prefix: str) -> Response | ASGIApp:
+        rate_headers: dict[str, str] = {}  # x-ratelimit-*, for every answer once charged
         try:
             tenant = self._tenant(request)
             body = parse_body(kind, await self._read_json(request))
             self._check_model(body.model)
-            job_id = await self._submit(body, tenant)
+            job_id = await self._submit(body, tenant, rate_headers)
         except OpenAIError as error:
             return error.response()
         answer_shape: Shape = shape(
             id=f"{id_prefix}{job_id}", model=self.model_name, created=int(time.time()),
             logprobs=body.wants_logprobs,
             include_usage=bool(body.stream) and body.include_usage)
-        return Answer(self.api._connected(), self.api.hub, job_id, answer_shape, self.speller,
-                      stream=bool(body.stream), retry_after_s=self.api.settings.retry_after_s)
+        return with_headers(
+            Answer(self.api._connected(), self.api.hub, job_id, answer_shape, self.speller,
+                   stream=bool(body.stream), retry_after_s=self.api.settings.retry_after_s),
+            rate_headers)
 
-    async def _submit(self, body: CompletionRequest | ChatCompletionRequest, tenant: str) -> str:
-        """Admit and enqueue the request's job as ``POST /v1/jobs`` does; its id."""
+    async def _submit(self, body: CompletionRequest | ChatCompletionRequest, tenant: str,
+                      rate_headers: dict[str, str]) -> str:
+        """Admit and enqueue the request's job as ``POST /v1/jobs`` does (a rate-limit refusal
+        included: ``from_refusal`` keeps its headers); its id."""
         job_request = body.job_request()
         try:
-            job = await self.api.submit_job(job_request, tenant=tenant)
+            job = await self.api.submit_job(job_request, tenant=tenant,
+                                            rate_headers=rate_headers)
         except Refusal as refusal:
             raise from_refusal(refusal.status, refusal.type, refusal.message, refusal.fields,
                                refusal.headers, body.param_names) from refusal

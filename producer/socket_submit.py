@@ -10,7 +10,8 @@ The client's first frame is one of:
 ``api_key`` is for browsers, which cannot set headers on a WebSocket; other clients may send
 ``Authorization: Bearer <key>`` on the upgrade instead. A refused request gets ``{"type":
 "error", "status": <the HTTP API's status>, "error": <its JSON error body>}`` and a close code:
-4400 invalid (400/413/422), 4401, 4403, 4404, 4409 (idempotency conflict), 4429 backlog full,
+4400 invalid (400/413/422), 4401, 4403, 4404, 4409 (idempotency conflict), 4429 backlog full
+or rate limited (``producer.rate_limit``),
 1013 store unavailable. After the first frame the protocol is ``tidegate.ws_relay``'s.
 """
 

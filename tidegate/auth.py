@@ -13,13 +13,13 @@ import hmac
 import logging
 import re
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import redis.asyncio as aioredis
 
 from tidegate import keys
+from tidegate.key_file import KeyLimits, read_key_file
 from tidegate.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -88,20 +88,25 @@ async def job_access(redis: aioredis.Redis, job_id: str) -> JobAccess | None:
 class Auth:
     """The configured API keys, and the checks every route makes with them."""
 
-    def __init__(self, api_keys: Iterable[str] = ()):
+    def __init__(self, api_keys: Iterable[str] = (), *,
+                 limits: Mapping[str, KeyLimits] | None = None):
         # Digests, so every comparison runs over equal lengths whatever the key's length.
         self._keys = [(hashlib.sha256(k.encode()).digest(), tenant_of(k)) for k in api_keys]
+        # Per-key rate limits (by key here, by tenant from then on: the key is not kept).
+        self.limits: dict[str, KeyLimits] = {tenant_of(k): v for k, v in (limits or {}).items()}
         self._started = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Auth:
-        """Keys from ``api_keys`` and ``api_keys_file`` (one a line, ``#`` comments)."""
+        """Keys from ``api_keys`` and ``api_keys_file`` (``tidegate.key_file``: one a line,
+        ``#`` comments, optional per-key limits; a key's later line wins)."""
         api_keys = list(settings.api_keys)
+        limits: dict[str, KeyLimits] = {}
         if settings.api_keys_file:
-            lines = Path(settings.api_keys_file).read_text().splitlines()
-            api_keys += [line.strip() for line in lines
-                         if line.strip() and not line.lstrip().startswith("#")]
-        return cls(api_keys)
+            for entry in read_key_file(settings.api_keys_file):
+                api_keys.append(entry.key)
+                limits[entry.key] = entry.limits
+        return cls(api_keys, limits=limits)
 
     @property
     def enabled(self) -> bool:

@@ -43,6 +43,20 @@ def _settings(args: argparse.Namespace):  # -> Settings
         raise CliError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
 
 
+def _check_keys_file(path: str | None) -> None:
+    """A keys file that cannot be read or has a malformed line: a message, not a traceback."""
+    from tidegate.key_file import KeyFileError, read_key_file
+
+    if path is None:
+        return
+    try:
+        read_key_file(path)
+    except KeyFileError as exc:
+        raise CliError(f"{path}: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read the keys file {path}: {exc}") from None
+
+
 def _check_model(spec: str) -> None:
     from tidegate.model_source import ModelLoadError, resolve_model
 
@@ -73,6 +87,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from tidegate.launcher import run_up
 
     settings = _settings(args)
+    _check_keys_file(settings.api_keys_file)
     _check_model(settings.model)
     _check_device(settings.device)
     explicit = args.redis_url or os.environ.get("TIDEGATE_REDIS_URL") or os.environ.get("REDIS_URL")
@@ -106,6 +121,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     from producer.api import create_app
 
     settings = _settings(args)
+    _check_keys_file(settings.api_keys_file)
     _check_model(settings.model)
     # No access log line per request unless asked for: at thousands of submits/s uvicorn's
     # access log (and the credential filter on it) took ~7% of the API's CPU.
@@ -116,6 +132,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from streaming.gateway import create_app
 
     settings = _settings(args)
+    _check_keys_file(settings.api_keys_file)
     return _serve_asgi(create_app(settings), settings)
 
 

@@ -21,10 +21,12 @@ from tidegate.protocol import Job, JobResult, QueuedEvent
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """A worker's claim on a job: the status it had, and the id its next event takes."""
+    """A worker's claim on a job: the status it had, the id its next event takes, and how many
+    deliveries in a row ended before storing a token (see ``_CLAIM_LUA``)."""
 
     before: str  # 'queued'/'running': run it; 'cancel_requested' or a final status: don't
     next_event_id: int
+    stalls: int = 0
 
 
 JOB_FIELD = "job"  # the one field of a lane stream entry: the Job's JSON
@@ -121,20 +123,35 @@ local function next_event_id(events)
 end
 """
 
-# KEYS: job hash, job events. ARGV: worker id.
-# Returns {the status before, the next event id}: 'queued'/'running' -> the caller runs the job
-# (now 'running'); anything else (a final status) -> the caller must not run it. A cancel
-# request wins too.
+# KEYS: job hash, job events. ARGV: worker id, the delivery's number.
+# Returns {the status before, the next event id, stalls}: 'queued'/'running' -> the caller runs
+# the job (now 'running'); anything else (a final status) -> the caller must not run it. A
+# cancel request wins too. ``stalls`` counts the deliveries in a row that ended without storing
+# a token (a run that progressed resets it): a job whose worker dies before its first token
+# each time is poison, one whose worker dies later is not. The claim notes the last event id,
+# so the next claim sees whether a token was stored after it.
 _CLAIM_LUA = _NEXT_ID_LUA + """
 local status = redis.call('HGET', KEYS[1], 'status')
 local next_id = next_event_id(KEYS[2])
 if redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then
-  return {'cancel_requested', next_id}
+  return {'cancel_requested', next_id, 0}
 end
-if status == 'queued' or status == 'running' then
-  redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1])
+if status ~= 'queued' and status ~= 'running' then return {status or 'missing', next_id, 0} end
+local stalls = tonumber(redis.call('HGET', KEYS[1], 'stalls') or '0')
+if tonumber(ARGV[2]) > 1 then
+  local since = redis.call('HGET', KEYS[1], 'claimed_after')
+  local progressed = false
+  if since then
+    local after = redis.call('XRANGE', KEYS[2], (tonumber(since) + 1) .. '-0', '+', 'COUNT', 4)
+    for _, entry in ipairs(after) do
+      if string.find(entry[2][2], '"type":"token"', 1, true) then progressed = true end
+    end
+  end
+  if progressed then stalls = 0 else stalls = stalls + 1 end
 end
-return {status or 'missing', next_id}
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'stalls', stalls,
+           'claimed_after', next_id - 1)
+return {status, next_id, stalls}
 """
 
 # KEYS: job hash, job events. ARGV: live channel, ttl_s, now_ms, cancel channel, job id,
@@ -169,16 +186,19 @@ return 'cancelled'
 """
 
 
-async def claim_many(redis: aioredis.Redis, job_ids: list[str], worker_id: str) -> list[Claim]:
-    """Mark each job running unless it already ended or was cancelled: one round trip."""
-    if not job_ids:
+async def claim_many(redis: aioredis.Redis, jobs: list[tuple[str, int]], worker_id: str
+                     ) -> list[Claim]:
+    """Mark each job running unless it already ended or was cancelled: one round trip.
+    ``jobs``: (job id, the delivery's number) pairs."""
+    if not jobs:
         return []
     script = redis.register_script(_CLAIM_LUA)  # EVALSHA: the body travels once, if at all
     pipe = redis.pipeline(transaction=False)
-    for job_id in job_ids:
-        await script(keys=[keys.job_hash(job_id), keys.job_events(job_id)], args=[worker_id],
-                     client=pipe)
-    return [Claim(str(before), int(next_id)) for before, next_id in await pipe.execute()]
+    for job_id, attempt in jobs:
+        await script(keys=[keys.job_hash(job_id), keys.job_events(job_id)],
+                     args=[worker_id, attempt], client=pipe)
+    return [Claim(str(before), int(next_id), int(stalls))
+            for before, next_id, stalls in await pipe.execute()]
 
 
 async def request_cancel(redis: aioredis.Redis, job_id: str, *, ttl_s: int = keys.JOB_TTL_S) -> str:

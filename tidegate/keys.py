@@ -98,6 +98,15 @@ def idempotency(tenant: str, key: str) -> str:
 
 
 IDEMPOTENCY_TTL_S = 24 * 3600
+
+
+def rate_limit(tenant: str) -> str:
+    """Hash of a tenant's token buckets (requests, tokens: level and when it was read); its
+    own tag, one slot per tenant. It expires once both buckets would be full again, so an
+    idle tenant has no key at all (a missing bucket is a full one)."""
+    return f"{PREFIX}:rate:{{{tenant}}}"
+
+
 # A job pending this long without its worker refreshing it is taken over by another worker.
 VISIBILITY_TIMEOUT_MS = 30_000
 # After this many deliveries a job goes to the dead-letter stream instead of running again.

@@ -10,10 +10,11 @@ scrape still succeeds with ``tidegate_redis_up 0``, so an alert can fire on it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 from starlette.responses import JSONResponse, Response
 
@@ -25,9 +26,13 @@ REDIS_TIMEOUT_S = 2.0
 
 
 async def metrics_response(redis: aioredis.Redis, partitions: int,
-                           extra: Mapping[str, tuple[str, float]] | None = None) -> Response:
-    """The Prometheus text exposition of the queue, plus ``extra`` {name: (help, value)}."""
+                           extra: Mapping[str, tuple[str, float]] | None = None,
+                           collectors: Iterable[Collector] = ()) -> Response:
+    """The Prometheus text exposition of the queue, plus ``extra`` {name: (help, value)} and
+    what ``collectors`` (a process's own counters) report."""
     registry = CollectorRegistry(auto_describe=True)
+    for collector in collectors:
+        registry.register(collector)
     up = Gauge("tidegate_redis_up", "1 if this process could read the queue from Redis.",
                registry=registry)
     for name, (doc, value) in (extra or {}).items():

@@ -262,10 +262,21 @@ class RejectedEvent(_Event):
 
 
 class RestartedEvent(_Event):
-    """A worker took the job over after another died: drop any partial text seen so far."""
+    """A worker took the job over after another died and could not continue it (its stored
+    tokens were gone or no longer reproduce its text): drop any partial text seen so far."""
 
     type: Literal["restarted"] = "restarted"
     attempt: int = Field(ge=2, description="delivery number of this run")
+
+
+class MigratedEvent(_Event):
+    """A worker took the job over after another died and continues it: the tokens already
+    sent stay, and token events go on from ``index`` = ``kept_tokens``."""
+
+    type: Literal["migrated"] = "migrated"
+    worker: str
+    attempt: int = Field(ge=2, description="delivery number of this run")
+    kept_tokens: int = Field(ge=0, description="generated tokens carried over")
 
 
 _json_string = json.encoder.encode_basestring  # C; keeps non-ASCII as is, as pydantic does
@@ -282,7 +293,7 @@ def token_event_json(event_id: int, job_id: str, index: int, text: str,
 
 Event = Annotated[
     QueuedEvent | StartedEvent | TokenEvent | DoneEvent | ErrorEvent | RejectedEvent
-    | RestartedEvent,
+    | RestartedEvent | MigratedEvent,
     Field(discriminator="type"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)

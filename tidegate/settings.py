@@ -40,7 +40,9 @@ class Settings(BaseSettings):
     torch_threads: int | None = Field(default=None, ge=1)
     # A job pending this long without its worker refreshing it is reclaimed by another worker.
     visibility_timeout_s: float = Field(default=30.0, gt=0)
-    max_deliveries: int = Field(default=3, ge=1, description="then the dead-letter stream")
+    max_deliveries: int = Field(
+        default=3, ge=1,
+        description="deliveries in a row that end before a token, then the dead-letter stream")
     drain_timeout_s: float = Field(default=30.0, ge=0, description="SIGTERM grace period")
     default_timeout_s: float = Field(default=300.0, gt=0)
     host: str = "127.0.0.1"
@@ -65,6 +67,11 @@ class Settings(BaseSettings):
     # Per lane, jobs waiting or unacknowledged above which submits are refused (429).
     max_backlog: int = Field(default=10_000, ge=1)
     retry_after_s: int = Field(default=2, ge=1)
+    # Each tenant's (API key's) default rate limits, held in Redis across API replicas
+    # (producer/rate_limit.py); a keys-file line may set its key's own. None: unlimited.
+    rate_limit_requests_per_s: float | None = Field(default=None, gt=0)
+    # Charged prompt tokens + max_tokens at submit, as OpenAI counts them at admission.
+    rate_limit_tokens_per_min: int | None = Field(default=None, gt=0)
 
     @field_validator("api_keys", mode="before")
     @classmethod

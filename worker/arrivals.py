@@ -22,12 +22,14 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from tidegate import keys
+from tidegate.event_feed import stored_events
 from tidegate.event_log import last_event_id
-from tidegate.jobstore import claim_many
+from tidegate.jobstore import Claim, claim_many
 from tidegate.protocol import Job, now_ms
 from worker.engine import Engine
 from worker.intake import Delivery, StreamIntake
 from worker.load_shedder import Estimate, Load, LoadShedder
+from worker.migration import Resume, resume_point
 from worker.publisher import EventPublisher
 
 log = logging.getLogger("tidegate.worker")
@@ -48,9 +50,11 @@ class Arrival:
     delivery: Delivery
     job: Job
     next_event_id: int
-    restarted: bool
+    taken_over: bool  # another worker ran it before (and died, or handed it back)
     prompt_ids: list[int]
     problem: str = ""  # the tokenizer or chat template refused it: answered invalid_request
+    # A job taken over: the tokens it continues from; None: it cannot continue (restarts).
+    resume: Resume | None = None
 
 
 class ArrivalIntake:
@@ -159,14 +163,12 @@ class ArrivalIntake:
                 continue  # our own entry, reclaimed after an outage let it idle: still ours
             elif job.id in held:  # the same job delivered twice: the running copy wins
                 duplicates.append(delivery)
-            elif delivery.attempt > self.max_deliveries:
-                await self._dead_letter(delivery, job)
             else:
                 held.add(job.id)
                 claimable.append(delivery)
         if duplicates:
             await self.streams.ack(duplicates)
-        claims = await claim_many(self.redis, [d.job.id for d in claimable if d.job],
+        claims = await claim_many(self.redis, [(d.job.id, d.attempt) for d in claimable if d.job],
                                   self.worker_id)
         done: list[Delivery] = []
         now = now_ms()
@@ -177,25 +179,32 @@ class ArrivalIntake:
                 done.append(delivery)
             elif claim.before == "cancel_requested":
                 self.publisher.cancelled_before_start(delivery, claim.next_event_id)
+            elif claim.stalls >= self.max_deliveries:
+                await self._dead_letter(delivery, job, claim)
             elif job.deadline_ms <= now:
                 self.publisher.fail(delivery, claim.next_event_id, code="deadline_exceeded",
                                     rejected=True,
                                     message="the deadline passed before a worker could start")
             else:
+                taken_over = claim.before == "running" or delivery.attempt > 1
+                resume = await self._resume_point(job) if taken_over else None
                 self.arrivals.append(self._tokenized(delivery, job, claim.next_event_id,
-                                                      restarted=claim.before == "running"
-                                                      or delivery.attempt > 1))
+                                                      taken_over, resume))
         if done:
             await self.streams.ack(done)
         self.wake.set()
 
-    def _tokenized(self, delivery: Delivery, job: Job, next_id: int, *,
-                   restarted: bool) -> Arrival:
+    async def _resume_point(self, job: Job) -> Resume | None:
+        """Where a job taken over continues: the tokens its stored events hold."""
+        return resume_point(await stored_events(self.redis, job.id))
+
+    def _tokenized(self, delivery: Delivery, job: Job, next_id: int, taken_over: bool,
+                   resume: Resume | None) -> Arrival:
         try:
             prompt_ids = self.tokenizer.encode_prompt(job.prompt, job.messages)
         except ValueError as exc:  # a chat template refusing the messages
-            return Arrival(delivery, job, next_id, restarted, [], str(exc))
-        return Arrival(delivery, job, next_id, restarted, prompt_ids)
+            return Arrival(delivery, job, next_id, taken_over, [], str(exc))
+        return Arrival(delivery, job, next_id, taken_over, prompt_ids, resume=resume)
 
     async def _malformed(self, delivery: Delivery) -> None:
         log.warning("malformed job %s on %s: %s", delivery.message_id, delivery.stream,
@@ -203,17 +212,18 @@ class ArrivalIntake:
         next_id = await last_event_id(self.redis, delivery.job_id) + 1 if delivery.job_id else 0
         self.publisher.fail(delivery, next_id, code="invalid_job", message=delivery.problem)
 
-    async def _dead_letter(self, delivery: Delivery, job: Job) -> None:
-        """Move a job that keeps failing to the lane's dead-letter stream and end it."""
-        last_error = (f"its worker stopped responding on each of {delivery.attempt - 1} "
-                      f"deliveries")
+    async def _dead_letter(self, delivery: Delivery, job: Job, claim: Claim) -> None:
+        """Move a job whose workers keep dying before its first new token (poison) to the
+        lane's dead-letter stream and end it. Deliveries that made progress don't count."""
+        last_error = (f"its worker stopped responding before generating a token on each of "
+                      f"{claim.stalls} deliveries in a row")
         await self.redis.xadd(keys.dead_letter_stream(job.lane), {
             "job": job.model_dump_json(), "job_id": job.id, "attempts": str(delivery.attempt),
-            "error": last_error, "stream": delivery.stream, "message_id": delivery.message_id,
+            "stalls": str(claim.stalls), "error": last_error, "stream": delivery.stream,
+            "message_id": delivery.message_id,
         }, maxlen=keys.LANE_MAXLEN, approximate=True)
-        self.publisher.fail(delivery, await last_event_id(self.redis, job.id) + 1,
-                            code="dead_lettered",
-                            message=f"gave up after {delivery.attempt - 1} attempts: {last_error}")
+        self.publisher.fail(delivery, claim.next_event_id, code="dead_lettered",
+                            message=f"gave up after {claim.stalls} attempts: {last_error}")
 
     async def _reject_hopeless_head(self) -> None:
         """Take the leading run of undelivered jobs that could not finish in time even once

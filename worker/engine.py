@@ -33,6 +33,11 @@ class RequestError(ValueError):
     """A request the engine can never run (empty, or too long for the context or the cache)."""
 
 
+class ResumeError(RequestError):
+    """A request to continue from tokens already generated that cannot continue from them (they
+    do not give the text already sent, or they already end the request); it can start over."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     max_model_len: int
@@ -77,6 +82,14 @@ class EngineRequest:
     lane: str = "interactive"
     priority: int = 0
     deadline_ms: int | None = None
+    # Continue a request another engine began (a migrated job): the tokens it generated, and
+    # the text released for them (checked: the same tokens must give the same text). Outputs
+    # go on from index len(output_ids); penalties, stop strings and max_tokens count them.
+    output_ids: tuple[int, ...] = ()
+    output_text: str = ""
+    # The request's RNG seed when its params have none (a migrated job must draw the same
+    # stream); None: params.seed, else a random one.
+    seed: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,13 +159,17 @@ class Engine:
     def add_request(self, request: EngineRequest) -> None:
         self.check_request(request)
         params = request.params
+        seed = request.seed if request.seed is not None else params.seed
         self._seqs[request.request_id] = seq = Sequence(
             request_id=request.request_id,
             prompt_ids=list(request.prompt_ids),
             params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
-            seed=params.seed if params.seed is not None else secrets.randbits(63),
+            detokenizer=self._resumed_detokenizer(request),
+            seed=seed if seed is not None else secrets.randbits(63),
             arrival=next(self._arrivals),
+            # A continued request's tokens are computed again with its prompt (one prefill),
+            # exactly as a preempted request's are.
+            output_ids=list(request.output_ids),
             max_num_tokens=min(len(request.prompt_ids) + params.max_tokens,
                                self.config.max_model_len),
             lane=request.lane,
@@ -178,6 +195,28 @@ class Engine:
             raise RequestError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) can never fit in this "
                 f"worker's KV cache of {self.kv_spec.num_tokens} tokens")
+        if request.output_ids:
+            self._resumed_detokenizer(request)
+
+    def _resumed_detokenizer(self, request: EngineRequest) -> IncrementalDetokenizer:
+        """The request's detokenizer, past its tokens already generated: it holds back what
+        the first run held back, so the text goes on exactly as it would have."""
+        params = request.params
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        if not request.output_ids:
+            return detokenizer
+        ids = request.output_ids
+        if len(ids) >= params.max_tokens:
+            raise ResumeError(f"its {len(ids)} tokens already reach max_tokens")
+        ending = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ending |= set(self.tokenizer.eos_token_ids)
+        if ending.intersection(ids):
+            raise ResumeError("its tokens already hold a stop token")
+        text = "".join(detokenizer.push(token) for token in ids)
+        if detokenizer.stopped or text != request.output_text:
+            raise ResumeError("its tokens do not give the text already sent")
+        return detokenizer
 
     def abort(self, request_id: str, reason: FinishReason = "cancelled") -> None:
         """Stop a request at the next step boundary, finishing with ``reason``."""

@@ -146,6 +146,15 @@ class WorkerMetrics:
             "tidegate_event_writes", "Event batches written to Redis.", registry=r)
         self.events_written = Counter(
             "tidegate_events_written", "Events written to Redis.", registry=r)
+        self.takeovers = Counter(
+            "tidegate_jobs_taken_over",
+            "Jobs taken over from a worker that died: migrated (continued from their last "
+            "token) or restarted (run again from the start).", ["how"], registry=r)
+        for how in ("migrated", "restarted"):
+            self.takeovers.labels(how=how)
+        self.migrated_tokens = Counter(
+            "tidegate_migrated_tokens", "Generated tokens migrated jobs continued from.",
+            registry=r)
         r.register(_LoopCpuCollector())
         if engine is not None:
             r.register(_EngineCollector(engine))

@@ -34,6 +34,7 @@ from tidegate.protocol import (
     ErrorEvent,
     FinishReason,
     Job,
+    MigratedEvent,
     RejectedEvent,
     RestartedEvent,
     StartedEvent,
@@ -65,6 +66,9 @@ class ActiveJob:
     prompt_tokens: int
     started_ms: int
     restart_attempt: int | None = None  # announce ``restarted`` first (another worker died)
+    # (attempt, kept tokens): a job continued from another worker's tokens announces
+    # ``migrated`` instead of ``started``.
+    migrated: tuple[int, int] | None = None
     first_token_ms: int | None = None
     last_token_ms: int | None = None
     announced: bool = False  # ``started`` went into a batch
@@ -125,7 +129,8 @@ class EventPublisher:
     # ------------------------------------------------------------------ from the main loop
 
     def announce(self, job: ActiveJob) -> None:
-        """``started`` (after ``restarted`` for a job taken over from a dead worker)."""
+        """``started`` (after ``restarted`` for a job taken over from a dead worker that
+        starts over), or ``migrated`` (one that continues)."""
         self._mark(job)
         self._urgent.set()
 
@@ -320,6 +325,13 @@ class EventPublisher:
     def _announce(self, batch: EventBatch, job: ActiveJob) -> None:
         job_id = job.job_id
         job.announced = True
+        if job.migrated is not None:
+            attempt, kept = job.migrated
+            raw = MigratedEvent(id=job.next_event_id, job_id=job_id, worker=self.worker_id,
+                                attempt=attempt, kept_tokens=kept).model_dump_json()
+            batch.add_event(job_id, job.take_id(), "migrated", raw, job.shard)
+            batch.refresh_ttl(job_id)
+            return
         if job.restart_attempt is not None:
             raw = RestartedEvent(id=job.next_event_id, job_id=job_id,
                                  attempt=job.restart_attempt).model_dump_json()
@@ -347,11 +359,13 @@ class EventPublisher:
         created = job.job.created_ms
         first = job.first_token_ms or stamp
         decode_s = (stamp - first) / 1000
+        # A migrated job's timings are its last run's (its first token: this run's first).
+        decoded = out.num_output_tokens - 1 - (job.migrated[1] if job.migrated else 0)
         timings = Timings(
             queue_ms=job.started_ms - created,
             ttft_ms=first - created,
             total_ms=stamp - created,
-            decode_tokens_per_s=(out.num_output_tokens - 1) / decode_s if decode_s > 0 else 0.0,
+            decode_tokens_per_s=decoded / decode_s if decode_s > 0 and decoded > 0 else 0.0,
         )
         usage = Usage(prompt_tokens=out.num_prompt_tokens,
                       completion_tokens=out.num_output_tokens,

@@ -134,17 +134,24 @@ class Sampler:
             probs = apply_min_p(probs, min_p)
         uniform = torch.empty_like(probs)
         for i, row in enumerate(rows):
-            uniform[i].uniform_(generator=self._generator(row))
+            uniform[i].uniform_(generator=self._generator(row, vocab))
         # The exponential race: argmax(p / E) with E = -log U ~ Exp(1) picks token j with
         # probability p_j. U lies in [0, 1): E is never 0 (no 0 / 0), and lifting U off 0
         # keeps E finite, so a kept token never scores 0 like the filtered ones.
         noise = uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()
         return _argmax(probs.div_(noise))
 
-    def _generator(self, row: SamplingRow) -> torch.Generator:
+    def _generator(self, row: SamplingRow, vocab: int) -> torch.Generator:
         gen = self._generators.get(row.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(row.seed)
+            # A request continued from tokens another run generated (a migrated job) first
+            # draws past what that run drew: one draw of the same shape per token, so it
+            # samples on exactly as the uninterrupted run would have.
+            if row.output_ids:
+                skip = torch.empty(vocab, dtype=torch.float32, device=self.device)
+                for _ in range(len(row.output_ids)):
+                    skip.uniform_(generator=gen)
             self._generators[row.request_id] = gen
         return gen
 

@@ -15,8 +15,10 @@ the cancel listener, heartbeats and visibility refreshes.
 * Cancellation: pushed by the API (``worker.cancel_listener``), applied at the next step.
 * At-least-once: a job is acked in the same script that stores its result. The worker
   refreshes its in-flight entries; entries other workers left idle past the visibility timeout
-  are reclaimed and run again after a ``restarted`` event; after ``max_deliveries`` they go to
-  the dead-letter stream.
+  are reclaimed and continue from the last stored token after a ``migrated`` event
+  (``worker.migration``; ``restarted`` and a run from the start where that is impossible).
+  A job whose workers die ``max_deliveries`` times in a row before storing a token goes to the
+  dead-letter stream; deliveries that made progress don't count.
 * Redis outage: the writer retries its batch unchanged and the engine pauses until it lands.
 * Drain: SIGTERM stops intake, lets running jobs finish within a grace period, then hands the
   rest back (marked idle, so another worker reclaims them at once) and exits.
@@ -35,7 +37,7 @@ import socket
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
 import torch
@@ -50,10 +52,18 @@ from worker.arrivals import IDLE_BLOCK_MS, Arrival, ArrivalIntake
 from worker.calibration import calibrate, timed_step
 from worker.cancel_listener import CancelListener
 from worker.cpu_tuning import keep_large_allocations
-from worker.engine import Engine, EngineConfig, EngineRequest, RequestError, RequestOutput
+from worker.engine import (
+    Engine,
+    EngineConfig,
+    EngineRequest,
+    RequestError,
+    RequestOutput,
+    ResumeError,
+)
 from worker.intake import Delivery, StreamIntake
 from worker.load_shedder import Commitments, Load, LoadShedder, ShedderConfig
 from worker.metrics import WorkerMetrics
+from worker.migration import job_seed
 from worker.publisher import ActiveJob, EventPublisher
 
 log = logging.getLogger("tidegate.worker")
@@ -296,30 +306,49 @@ class WorkerService:
             publisher.fail(delivery, next_id, code="invalid_request", message=arrival.problem)
             return load
         request = EngineRequest(job.id, arrival.prompt_ids, job.sampling, lane=job.lane,
-                                priority=job.priority, deadline_ms=job.deadline_ms)
+                                priority=job.priority, deadline_ms=job.deadline_ms,
+                                seed=job_seed(job))
+        kept: int | None = None  # a migrated job: the tokens it continues from
+        if arrival.resume is not None:
+            resumed = replace(request, output_ids=arrival.resume.token_ids,
+                              output_text=arrival.resume.text)
+            try:
+                self.engine.check_request(resumed)
+                request, kept = resumed, len(resumed.output_ids)
+            except ResumeError as exc:
+                log.warning("job %s cannot continue (%s): it starts over", job.id, exc)
+            except RequestError:
+                pass  # answered below, as for any job
         try:
             self.engine.check_request(request)
         except RequestError as exc:
             publisher.fail(delivery, next_id, code="invalid_request", message=str(exc))
             return load
         n_prompt = len(arrival.prompt_ids)
+        n_prefix = n_prompt + len(request.output_ids)  # what the prefill computes
+        tokens_left = job.sampling.max_tokens - len(request.output_ids)
         time_left = (job.deadline_ms - now) / 1000
-        estimate = self.shedder.estimate(n_prompt, job.sampling.max_tokens, load, time_left,
-                                         commitments)
+        estimate = self.shedder.estimate(n_prefix, tokens_left, load, time_left, commitments)
         if not estimate.admit:
             publisher.fail(delivery, next_id, code="cannot_meet_deadline", rejected=True,
                            message=f"estimated to finish in {estimate.finish_s:.1f}s, "
                                    f"after its deadline")
             return load
+        attempt = max(delivery.attempt, 2)
         active = ActiveJob(job, delivery, next_id, n_prompt, now_ms(),
-                           restart_attempt=max(delivery.attempt, 2) if arrival.restarted else None)
+                           restart_attempt=attempt if arrival.taken_over and kept is None
+                           else None,
+                           migrated=(attempt, kept) if kept is not None else None)
         self.active[job.id] = active
+        if arrival.taken_over:
+            self.metrics.takeovers.labels(how="migrated" if kept is not None else "restarted").inc()
+            self.metrics.migrated_tokens.inc(kept or 0)
         self.engine.add_request(request)
         publisher.announce(active)
-        commitments.add(job.sampling.max_tokens, time_left)
+        commitments.add(tokens_left, time_left)
         self._min_deadline_ms = min(self._min_deadline_ms, job.deadline_ms)
         self._max_tokens_bound = max(self._max_tokens_bound, job.sampling.max_tokens)
-        return Load(load.batch_size + 1, load.prefill_tokens_ahead + n_prompt, load.max_num_seqs,
+        return Load(load.batch_size + 1, load.prefill_tokens_ahead + n_prefix, load.max_num_seqs,
                     load.seat_wait_s)
 
     def _admission_load(self) -> Load:

@@ -176,6 +176,11 @@
       case "started":
         setStatus("running");
         break;
+      case "migrated":
+        // Another worker continues the job where it was: what was shown stays.
+        showNote(`The job moved to another worker and goes on (attempt ${f.attempt ?? "?"}).`);
+        setStatus("running");
+        break;
       case "token":
         appendOutput(typeof f.text === "string" ? f.text : "");
         // An event carries the tokens generated since the worker's last write: one or more.

@@ -4,18 +4,21 @@ cancellation, lanes, crash recovery (kill -9), dead letters, graceful drain."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, free_port
 from tidegate import keys
 from tidegate.event_feed import follow, stored_events
 from tidegate.jobstore import enqueue, read_result, request_cancel
@@ -199,13 +202,41 @@ async def test_interactive_lane_is_served_before_batch(r: aioredis.Redis, worker
     assert all(started[j] < first_batch for j in inter)
 
 
-async def test_two_workers_one_killed_every_job_completes_with_restarted(
+def _readiness(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as answer:
+            return json.load(answer)["reason"]
+    except urllib.error.HTTPError as refused:
+        return json.load(refused)["reason"]
+    except OSError:
+        return "no answer"
+
+
+def continuous(events: list[dict]) -> tuple[str, list[int]]:
+    """A client's view of one job's stream: ids 1..n, token indices with no gap or repeat,
+    the final text the tokens' texts; -> (text, token ids)."""
+    assert [e["id"] for e in events] == list(range(1, len(events) + 1))
+    tokens = [e for e in events if e["type"] == "token"]
+    ids: list[int] = []
+    for e in tokens:
+        assert e["index"] == len(ids)
+        ids += e["token_ids"]
+    text = "".join(e["text"] for e in tokens)
+    assert events[-1]["type"] == "done" and events[-1]["text"] == text
+    assert events[-1]["usage"]["completion_tokens"] == len(ids)
+    return text, ids
+
+
+async def test_a_killed_workers_jobs_migrate_and_end_as_if_never_interrupted(
     r: aioredis.Redis, workers: Workers
 ) -> None:
-    victim = workers.start(max_num_seqs=3)
-    survivor = workers.start(max_num_seqs=3)
+    victim = workers.start(max_num_seqs=4)
+    survivor = workers.start(max_num_seqs=4)
     await wait_for_workers(r, 2)
-    jobs = [await submit(r, **{**LONG, "max_tokens": 600}) for _ in range(6)]
+    greedy = {**LONG, "max_tokens": 600}
+    seeded = {**LONG, "max_tokens": 600, "temperature": 0.9, "top_p": 0.95, "seed": 11,
+              "frequency_penalty": 0.2}
+    jobs = [await submit(r, **(greedy if i % 2 else seeded)) for i in range(8)]
     for job_id in jobs:
         await wait_started(r, job_id)
     owner = {}
@@ -216,30 +247,65 @@ async def test_two_workers_one_killed_every_job_completes_with_restarted(
     assert set(owner.values()) == {victim.pid, survivor.pid}  # both were busy
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
-    for job_id in jobs:
+    texts: dict[int, set[str]] = {0: set(), 1: set()}
+    migrated = 0
+    for i, job_id in enumerate(jobs):
         events = await events_of(r, job_id)
-        assert events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == 600
+        text, ids = continuous(events)
+        assert len(ids) == 600 and "restarted" not in types(events)
+        texts[i % 2].add(text)
         if owner[job_id] == victim.pid:
-            restart = types(events).index("restarted")
-            after = events[restart + 1 :]
-            assert after[0]["type"] == "started" and after[0]["worker"].split("-")[-2] == str(
-                survivor.pid)
-            text = "".join(e["text"] for e in after if e["type"] == "token")
-            assert text == after[-1]["text"]
+            [move] = [e for e in events if e["type"] == "migrated"]
+            assert move["worker"].split("-")[-2] == str(survivor.pid) and move["attempt"] == 2
+            before = [e for e in events if e["type"] == "token" and e["id"] < move["id"]]
+            assert move["kept_tokens"] == sum(len(e["token_ids"]) for e in before) >= 3
+            migrated += 1
         else:
-            assert "restarted" not in types(events)
+            assert "migrated" not in types(events)
+    assert migrated >= 1
+    # Same request, same text: the migrated runs equal the uninterrupted ones, greedy or seeded.
+    assert len(texts[0]) == 1 and len(texts[1]) == 1
     assert (await r.xpending(keys.lane_stream("interactive"), keys.CONSUMER_GROUP))["pending"] == 0
 
 
-async def test_poison_job_goes_to_the_dead_letter_stream(r: aioredis.Redis, workers: Workers) -> None:
-    # A job that takes its worker down every time (here: killed mid-run, twice).
-    job_id = await submit(r, **LONG)
+async def test_a_job_killed_each_time_it_progresses_is_never_dead_lettered(
+        r: aioredis.Redis, workers: Workers) -> None:
+    reference = await submit(r, **{**LONG, "max_tokens": 400})
+    job_id = await submit(r, **{**LONG, "max_tokens": 400})
     seen = 0
-    for _ in range(2):
-        proc = workers.start(max_deliveries=2)
-        seen = await wait_started(r, job_id, tokens=1, after_id=seen)
+    for _ in range(3):  # three kills, each after some tokens: more than max_deliveries
+        proc = workers.start(max_deliveries=2, max_num_seqs=1)
+        async for e in follow(r, job_id, after_id=seen):
+            if e.type == "token" and e.data()["index"] >= 30 * (_ + 1):
+                seen = e.id
+                break
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+        beats = [k async for k in r.scan_iter(match=keys.worker_heartbeat("*"))]
+        if beats:
+            await r.delete(*beats)
+    workers.start(max_deliveries=2, max_num_seqs=1)
+    events = await events_of(r, job_id)
+    text, ids = continuous(events)
+    assert len(ids) == 400 and types(events).count("migrated") == 3
+    assert text == continuous(await events_of(r, reference))[0]
+    assert await r.xlen(keys.dead_letter_stream("interactive")) == 0
+
+
+async def test_poison_job_goes_to_the_dead_letter_stream(r: aioredis.Redis, workers: Workers) -> None:
+    # A job that takes its worker down every time before its first token (here: killed while
+    # its long prompt is being computed, 4 tokens a step, twice).
+    job_id = await submit(r, prompt="tell me everything " * 90, max_tokens=50)
+    seen = 0
+    for _ in range(2):
+        proc = workers.start(max_deliveries=2, max_num_batched_tokens=4, max_num_seqs=1)
+        async for e in follow(r, job_id, after_id=seen):
+            if e.type in ("started", "migrated"):
+                seen = e.id
+                break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert not [e for e in await events_of(r, job_id, final=False) if e["type"] == "token"]
         beats = [k async for k in r.scan_iter(match=keys.worker_heartbeat("*"))]
         if beats:
             await r.delete(*beats)
@@ -247,7 +313,32 @@ async def test_poison_job_goes_to_the_dead_letter_stream(r: aioredis.Redis, work
     events = await events_of(r, job_id)
     assert events[-1]["type"] == "error" and events[-1]["code"] == "dead_lettered"
     [(_, entry)] = await r.xrange(keys.dead_letter_stream("interactive"))
-    assert entry["job_id"] == job_id and entry["attempts"] == "3" and entry["error"]
+    assert entry["job_id"] == job_id and entry["attempts"] == "3" and entry["stalls"] == "2"
+
+
+async def test_a_worker_started_while_redis_is_down_serves_once_it_is_up(
+        redis_server: RedisServer, workers: Workers) -> None:
+    redis_server.stop()
+    port = free_port()
+    try:
+        proc = workers.start(max_num_seqs=2, metrics_port=port)
+        # The model loads, then the worker finds Redis gone: it says so and waits.
+        deadline = time.monotonic() + 90
+        while _readiness(port) != "Redis is unreachable":
+            assert proc.poll() is None, "the worker died"
+            assert time.monotonic() < deadline, "the worker never got past loading"
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(2)
+        assert proc.poll() is None
+    finally:
+        redis_server.start()
+    r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        await wait_for_workers(r, 1)
+        job_id = await submit(r, prompt="hello", max_tokens=8, ignore_eos=True)
+        assert (await events_of(r, job_id, timeout_s=60))[-1]["type"] == "done"
+    finally:
+        await r.aclose()
 
 
 async def test_sigterm_drains_and_loses_nothing(r: aioredis.Redis, workers: Workers) -> None:
