@@ -118,12 +118,10 @@ def job_body(cfg: ChaosConfig, i: int) -> dict:
     return body
 
 
-# Jobs in flight: index -> (job id, its check), for the progress lines.
-IN_FLIGHT: dict[int, tuple[str, StreamCheck]] = {}
-
-
-async def run_job(client: PatientClient, cfg: ChaosConfig, i: int, key: str) -> JobOutcome:
-    """Submit request ``i``, follow it to its end, read its stored result."""
+async def run_job(client: PatientClient, cfg: ChaosConfig, i: int, key: str,
+                  in_flight: dict[int, StreamCheck]) -> JobOutcome:
+    """Submit request ``i``, follow it to its end, read its stored result (its check sits in
+    ``in_flight`` meanwhile, for the progress lines)."""
     via = "sse" if cfg.sse_every and i % cfg.sse_every == cfg.sse_every - 1 else "ws"
     out = JobOutcome(index=i, via=via, sampled=bool(i % 2))
     try:
@@ -133,7 +131,7 @@ async def run_job(client: PatientClient, cfg: ChaosConfig, i: int, key: str) -> 
         return out
     out.job_id, out.submits = job.job_id, job.submits
     check = StreamCheck(job.job_id)
-    IN_FLIGHT[i] = (job.job_id, check)
+    in_flight[i] = check
     try:
         follow = client.follow_sse if via == "sse" else client.follow_ws
         out.reconnects = await follow(job, check)
@@ -143,7 +141,7 @@ async def run_job(client: PatientClient, cfg: ChaosConfig, i: int, key: str) -> 
         out.gave_up = str(exc)
         check.finish()
         stored = None
-    IN_FLIGHT.pop(i, None)
+    in_flight.pop(i, None)
     _record(out, check, stored)
     return out
 
@@ -151,7 +149,8 @@ async def run_job(client: PatientClient, cfg: ChaosConfig, i: int, key: str) -> 
 def _record(out: JobOutcome, check: StreamCheck, stored: dict | None) -> None:
     final = check.final or {}
     out.final, out.code = final.get("type"), final.get("code") or final.get("reason")
-    out.finish_reason, out.text, out.tokens = final.get("finish_reason"), final.get("text"), check.tokens
+    out.finish_reason, out.text = final.get("finish_reason"), final.get("text")
+    out.tokens = check.tokens
     out.restarts, out.migrations = check.restarts, check.migrations
     out.duplicate_tokens, out.missing_tokens = check.duplicate_tokens, check.missing_tokens
     out.duplicate_events, out.missing_events = check.duplicate_events, check.missing_events
@@ -159,7 +158,7 @@ def _record(out: JobOutcome, check: StreamCheck, stored: dict | None) -> None:
     out.problems = list(check.problems)
     if stored is None or not check.done:
         return
-    if stored["status"] != {"done": "done", "error": "error", "rejected": "rejected"}[out.final]:
+    if stored["status"] != out.final:  # the statuses of final jobs are their events' types
         out.problems.append(f"stored status {stored['status']}, final event {out.final}")
     if out.final == "done" and stored.get("text") != out.text:
         out.problems.append("stored text differs from the done event's")
@@ -172,10 +171,11 @@ async def run_load(client: PatientClient, cfg: ChaosConfig, prefix: str,
     ``cfg.jobs`` and on while ``more`` is set."""
     sem = asyncio.Semaphore(cfg.concurrency)
     tasks: list[asyncio.Task[JobOutcome]] = []
+    in_flight: dict[int, StreamCheck] = {}
 
     async def one(i: int) -> JobOutcome:
         try:
-            return await run_job(client, cfg, i, f"{prefix}-{i}")
+            return await run_job(client, cfg, i, f"{prefix}-{i}", in_flight)
         finally:
             sem.release()
 
@@ -183,10 +183,11 @@ async def run_load(client: PatientClient, cfg: ChaosConfig, prefix: str,
         t0 = time.monotonic()
         while True:
             await asyncio.sleep(10)
-            oldest = sorted(IN_FLIGHT.items())[:3]
+            oldest = sorted(in_flight.items())[:3]
             print(f"[{prefix} {time.monotonic() - t0:5.0f} s] submitted {len(tasks)}, "
-                  f"finished {sum(t.done() for t in tasks)}, in flight {len(IN_FLIGHT)}; "
-                  f"oldest: {[(i, job_id, c.last_id) for i, (job_id, c) in oldest]}",
+                  f"finished {sum(t.done() for t in tasks)}, in flight {len(in_flight)}; "
+                  f"oldest (index, job, last event): "
+                  f"{[(i, c.job_id, c.last_id) for i, c in oldest]}",
                   file=sys.stderr, flush=True)
 
     reporter = asyncio.create_task(progress())
