@@ -95,6 +95,7 @@ class JobOutcome:
     tokens: int = 0
     restarts: int = 0
     migrations: int = 0
+    kept: list[int] = field(default_factory=list)  # kept_tokens of each migration
     duplicate_tokens: int = 0
     missing_tokens: int = 0
     duplicate_events: int = 0
@@ -151,7 +152,7 @@ def _record(out: JobOutcome, check: StreamCheck, stored: dict | None) -> None:
     out.final, out.code = final.get("type"), final.get("code") or final.get("reason")
     out.finish_reason, out.text = final.get("finish_reason"), final.get("text")
     out.tokens = check.tokens
-    out.restarts, out.migrations = check.restarts, check.migrations
+    out.restarts, out.migrations, out.kept = check.restarts, check.migrations, list(check.kept)
     out.duplicate_tokens, out.missing_tokens = check.duplicate_tokens, check.missing_tokens
     out.duplicate_events, out.missing_events = check.duplicate_events, check.missing_events
     out.stalls, out.stalled_at = check.stalls, list(check.stalled_at)
@@ -292,6 +293,14 @@ def mismatch(got: JobOutcome, ref: JobOutcome) -> dict:
             "reference_finish_reason": ref.finish_reason}
 
 
+def quantiles(values: list[int]) -> dict[str, int]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    pick = {"min": 0.0, "p50": 0.5, "p90": 0.9, "max": 1.0}
+    return {name: ordered[round(q * (len(ordered) - 1))] for name, q in pick.items()}
+
+
 def summarize(cfg: ChaosConfig, outcomes: list[JobOutcome], reference: list[JobOutcome],
               monkey: ChaosMonkey, server: dict) -> dict:
     log = monkey.log
@@ -323,6 +332,11 @@ def summarize(cfg: ChaosConfig, outcomes: list[JobOutcome], reference: list[JobO
         "migrated_events": sum(o.migrations for o in accepted),
         "restarted_events": sum(o.restarts for o in accepted),
         "migrated_greedy_jobs": sum(1 for o in accepted if o.migrations and not o.sampled),
+        "migrated_seeded_jobs": sum(1 for o in accepted if o.migrations and o.sampled),
+        "jobs_migrated_twice_or_more": sum(1 for o in accepted if o.migrations > 1),
+        "most_migrations_of_a_job": max((o.migrations for o in accepted), default=0),
+        # generated tokens kept across each migration: how far into its run a job was
+        "kept_tokens": quantiles([k for o in accepted for k in o.kept]),
         "reconnects": sum(o.reconnects for o in accepted),
         "submit_retries": sum(o.submits - 1 for o in accepted),
         "duplicate_tokens": sum(o.duplicate_tokens for o in accepted),
@@ -359,7 +373,8 @@ def headline(report: dict) -> str:
         f"chaos: {r['worker_kills']} worker kills, {r['redis_restarts']} Redis restarts "
         f"(outages {r['redis_outages_s']} s), {r['gateway_restarts']} gateway restarts; "
         f"replaced after exiting by themselves: {r['replaced'] or 'none'}",
-        f"jobs migrated {r['jobs_migrated']} ({r['migrated_greedy_jobs']} greedy), "
+        f"jobs migrated {r['jobs_migrated']} ({r['migrated_greedy_jobs']} greedy, "
+        f"{r['jobs_migrated_twice_or_more']} twice or more, kept tokens {r['kept_tokens']}), "
         f"restarted {r['jobs_restarted']}; reconnects {r['reconnects']}, "
         f"submit retries {r['submit_retries']}",
         f"lost {len(r['lost'])}, not accepted {len(r['not_accepted'])}, "

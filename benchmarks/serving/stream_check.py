@@ -35,6 +35,7 @@ class StreamCheck:
     text_parts: list[str] = field(default_factory=list)
     restarts: int = 0
     migrations: int = 0
+    kept: list[int] = field(default_factory=list)  # each migration's kept_tokens
     duplicate_tokens: int = 0  # token positions received again
     missing_tokens: int = 0  # token positions skipped
     duplicate_events: int = 0
@@ -122,6 +123,8 @@ class StreamCheck:
     def _migrated(self, event: dict) -> None:
         self.migrations += 1
         kept = event.get("kept_tokens")
+        if isinstance(kept, int):
+            self.kept.append(kept)
         if not isinstance(event.get("attempt"), int) or event["attempt"] < 2:
             self.problem(f"migrated event {event['id']} with attempt {event.get('attempt')}")
         if kept != self.tokens:

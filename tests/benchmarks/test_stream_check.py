@@ -62,6 +62,7 @@ def test_after_migrated_the_stream_goes_on_from_the_kept_tokens() -> None:
               .tokens(2, "c").done("abc", 3)).events
     check = checked(events)
     assert check.problems == [] and check.migrations == 1 and check.restarts == 0
+    assert check.kept == [2]
 
 
 def test_a_migration_keeping_other_than_the_tokens_held_is_caught() -> None:
