@@ -246,6 +246,7 @@ async def run_chaos(cfg: ChaosConfig, logdir: Path) -> dict:
             started = time.monotonic()
             reference = await run_load(client, cfg, "reference", count=len(outcomes))
             reference_s = time.monotonic() - started
+            reference_answers = dict(client.answers)
         finally:
             await client.close()
         server = await asyncio.to_thread(server_side, stack)
@@ -254,6 +255,13 @@ async def run_chaos(cfg: ChaosConfig, logdir: Path) -> dict:
     report = summarize(cfg, outcomes, reference, monkey, server)
     report.update(chaos_s=round(chaos_s, 1), reference_s=round(reference_s, 1),
                   total_s=round(time.monotonic() - t0, 1), answers=answers,
+                  reference_answers=reference_answers,
+                  # a 5xx other than an outage's 503 is a bug whatever the chaos
+                  server_errors={f"{run} {k}": n
+                                 for run, got in (("chaos", answers),
+                                                  ("reference", reference_answers))
+                                 for k, n in got.items()
+                                 if k.split()[-1].startswith("5") and not k.endswith("503")},
                   unexpected_exits=stack.exits, logs=log_findings(logdir))
     (logdir / "report.json").write_text(json.dumps(report, indent=1))
     return report
@@ -363,7 +371,8 @@ def passed(report: dict) -> bool:
                 or report["stream_problems"] or report["reference_mismatches"]
                 or report["reference_problems"] or report["duplicate_tokens"]
                 or report["missing_tokens"] or report["dead_lettered"]
-                or report["server"]["pending_entries"] or report["server"]["dead_letters_stored"])
+                or report["server"]["pending_entries"] or report["server"]["dead_letters_stored"]
+                or report["server_errors"])
 
 
 def headline(report: dict) -> str:
@@ -384,7 +393,8 @@ def headline(report: dict) -> str:
         f"jobs with stream problems "
         f"{len(r['stream_problems'])}, reference mismatches {len(r['reference_mismatches'])}",
         *([f"mismatches: {r['reference_mismatches'][:5]}"] if r["reference_mismatches"] else []),
-        f"server: {r['server']}; tracebacks in logs: {r['logs'] or 'none'}",
+        f"server: {r['server']}; tracebacks in logs: {r['logs'] or 'none'}; answers other than "
+        f"2xx: {r['answers'] or 'none'}",
         f"time: chaos {r['chaos_s']} s, reference {r['reference_s']} s, total {r['total_s']} s",
         f"{'PASS' if passed(r) else 'FAIL'}",
     ])

@@ -10,6 +10,7 @@ go through a ``StreamCheck``; nothing is retried past ``patience_s``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -63,7 +64,7 @@ class PatientClient:
         """Submit until accepted (202, or 200 for a retry the first try had made); any other
         4xx is the request's fault and ends it."""
         deadline = time.monotonic() + self.patience_s
-        for attempt in range(1, 1_000_000):
+        for attempt in itertools.count(1):
             try:
                 r = await self.http.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
             except httpx.TransportError:
