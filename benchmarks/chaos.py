@@ -57,6 +57,7 @@ from benchmarks.serving.patient_client import GaveUp, PatientClient  # noqa: E40
 from benchmarks.serving.stack import StackConfig  # noqa: E402
 from benchmarks.serving.stream_check import StreamCheck  # noqa: E402
 from tidegate import keys  # noqa: E402
+from tidegate.event_log import EVENT_FIELD  # noqa: E402
 
 WORDS = ("tide", "gate", "river", "stone", "lamp", "owl", "cedar", "north", "salt", "copper")
 
@@ -249,7 +250,7 @@ async def run_chaos(cfg: ChaosConfig, logdir: Path) -> dict:
             reference_answers = dict(client.answers)
         finally:
             await client.close()
-        server = await asyncio.to_thread(server_side, stack)
+        server = await asyncio.to_thread(server_side, stack, outcomes + reference)
     finally:
         await asyncio.to_thread(stack.close)
     report = summarize(cfg, outcomes, reference, monkey, server)
@@ -267,16 +268,29 @@ async def run_chaos(cfg: ChaosConfig, logdir: Path) -> dict:
     return report
 
 
-def server_side(stack: ChaosStack) -> dict:
-    """What Redis holds at the end: lane entries still pending, dead letters."""
+def server_side(stack: ChaosStack, outcomes: list[JobOutcome]) -> dict:
+    """What Redis holds at the end: lane entries still pending, dead letters, and each job's
+    stored event stream as a client replaying it now would see it (its live client stopped
+    at the first final event; a second one, or anything after it, shows only here)."""
     r = redis.Redis(port=stack.redis_port, decode_responses=True)
     try:
         pending = sum(r.xpending(keys.lane_stream(lane), keys.CONSUMER_GROUP)["pending"]
                       for lane in keys.LANES if r.exists(keys.lane_stream(lane)))
         dead = sum(r.xlen(keys.dead_letter_stream(lane)) for lane in keys.LANES)
+        replays = {}
+        for o in outcomes:
+            if o.job_id is None:
+                continue
+            check = StreamCheck(o.job_id)
+            for _, fields in r.xrange(keys.job_events(o.job_id)):
+                check.on_raw(fields[EVENT_FIELD])
+            check.finish()
+            if check.problems:
+                replays[o.job_id] = check.problems
     finally:
         r.close()
-    return {"pending_entries": pending, "dead_letters_stored": dead}
+    return {"pending_entries": pending, "dead_letters_stored": dead,
+            "stored_stream_problems": replays}
 
 
 def log_findings(logdir: Path) -> dict[str, int]:
@@ -333,6 +347,7 @@ def summarize(cfg: ChaosConfig, outcomes: list[JobOutcome], reference: list[JobO
         "worker_kills": log.worker_kills,
         "redis_restarts": log.redis_restarts,
         "gateway_restarts": log.gateway_restarts,
+        "worker_pauses": log.worker_pauses,
         "redis_outages_s": log.outages_s,
         "replaced": log.replaced,
         "jobs_migrated": sum(1 for o in accepted if o.migrations),
@@ -372,6 +387,7 @@ def passed(report: dict) -> bool:
                 or report["reference_problems"] or report["duplicate_tokens"]
                 or report["missing_tokens"] or report["dead_lettered"]
                 or report["server"]["pending_entries"] or report["server"]["dead_letters_stored"]
+                or report["server"]["stored_stream_problems"]
                 or report["server_errors"])
 
 
@@ -380,7 +396,8 @@ def headline(report: dict) -> str:
     return "\n".join([
         f"jobs {r['accepted']} accepted of {r['jobs_submitted']}; finals {r['finals']}",
         f"chaos: {r['worker_kills']} worker kills, {r['redis_restarts']} Redis restarts "
-        f"(outages {r['redis_outages_s']} s), {r['gateway_restarts']} gateway restarts; "
+        f"(outages {r['redis_outages_s']} s), {r['gateway_restarts']} gateway restarts, "
+        f"{r['worker_pauses']} worker pauses; "
         f"replaced after exiting by themselves: {r['replaced'] or 'none'}",
         f"jobs migrated {r['jobs_migrated']} ({r['migrated_greedy_jobs']} greedy, "
         f"{r['jobs_migrated_twice_or_more']} twice or more, kept tokens {r['kept_tokens']}), "
@@ -419,6 +436,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--worker-kills", type=int, default=24)
     ap.add_argument("--redis-restarts", type=int, default=3)
     ap.add_argument("--gateway-restarts", type=int, default=3)
+    ap.add_argument("--worker-pauses", type=int, default=0,
+                    help="SIGSTOP a worker for --pause-s, then SIGCONT (0: none)")
+    ap.add_argument("--pause-s", type=float, default=0.0,
+                    help="default: twice the visibility timeout")
     ap.add_argument("--outage-s", type=float, nargs=2, default=(0.5, 1.5), metavar=("LO", "HI"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="the report as JSON, without per-job outcomes")
@@ -429,6 +450,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def config_from(args: argparse.Namespace) -> ChaosConfig:
     plan = ChaosPlan(duration_s=args.chaos_s, worker_kills=args.worker_kills,
                      redis_restarts=args.redis_restarts, gateway_restarts=args.gateway_restarts,
+                     worker_pauses=args.worker_pauses,
+                     pause_s=args.pause_s or 2 * args.visibility_timeout_s,
                      outage_s=tuple(args.outage_s), min_ready_workers=min(2, args.workers),
                      seed=args.seed)
     return ChaosConfig(plan=plan, jobs=args.jobs, concurrency=args.concurrency,

@@ -9,7 +9,10 @@ the plan out on a ``ChaosStack``:
   the longest-running one and start a fresh worker in its place at once;
 * Redis restart: SIGKILL, ``outage_s`` of nothing, then ``redis-server`` again on the same
   port from the same AOF;
-* gateway restart: SIGKILL, then a new gateway on the same port.
+* gateway restart: SIGKILL, then a new gateway on the same port;
+* worker pause: SIGSTOP a worker for ``pause_s`` (past the visibility timeout: a long GC pause,
+  a partition), so another worker takes its jobs over, then SIGCONT: it wakes up still
+  believing it runs them.
 
 Between actions, and after them until told to stop (``keep_up``), it replaces any process that
 exited by itself (``ChaosStack.unexpected_exits``; the run reports them). Every action is
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +36,8 @@ class ChaosPlan:
     worker_kills: int
     redis_restarts: int
     gateway_restarts: int
+    worker_pauses: int = 0
+    pause_s: float = 0.0  # how long a paused worker stays stopped
     outage_s: tuple[float, float] = (0.5, 1.5)  # Redis is away this long (uniform)
     min_ready_workers: int = 2
     seed: int = 0
@@ -39,7 +45,7 @@ class ChaosPlan:
     def schedule(self) -> list[tuple[float, str]]:
         """(seconds after the start, action) in time order; ties broken kills first."""
         actions = [("worker", self.worker_kills), ("redis", self.redis_restarts),
-                   ("gateway", self.gateway_restarts)]
+                   ("gateway", self.gateway_restarts), ("pause", self.worker_pauses)]
         timeline = [((i + 0.5) * self.duration_s / n, order, kind)
                     for order, (kind, n) in enumerate(actions) for i in range(n)]
         return [(at, kind) for at, _, kind in sorted(timeline)]
@@ -50,6 +56,7 @@ class ChaosLog:
     worker_kills: int = 0
     redis_restarts: int = 0
     gateway_restarts: int = 0
+    worker_pauses: int = 0
     outages_s: list[float] = field(default_factory=list)  # Redis down, SIGKILL to answering
     replaced: list[str] = field(default_factory=list)  # exited by themselves, started again
     timeline: list[tuple[float, str]] = field(default_factory=list)
@@ -78,7 +85,7 @@ class ChaosMonkey:
                 await self._replace_exited()
                 await asyncio.sleep(0.1)
             await {"worker": self.kill_worker, "redis": self.restart_redis,
-                   "gateway": self.restart_gateway}[kind](stop)
+                   "gateway": self.restart_gateway, "pause": self.pause_worker}[kind](stop)
 
     async def keep_up(self, stop: asyncio.Event) -> None:
         """Replace processes that exit by themselves until ``stop``."""
@@ -87,6 +94,29 @@ class ChaosMonkey:
             await asyncio.sleep(0.2)
 
     async def kill_worker(self, stop: asyncio.Event) -> None:
+        victim = await self._victim(stop)
+        if victim is None:
+            return
+        self.stack.kill(victim)
+        self.log.worker_kills += 1
+        fresh = self.stack.start_worker()
+        self._started[fresh] = time.monotonic()
+        self.note(f"SIGKILL {victim}; started {fresh}")
+
+    async def pause_worker(self, stop: asyncio.Event) -> None:
+        victim = await self._victim(stop)
+        if victim is None:
+            return
+        proc = self.stack.procs[victim]
+        proc.send_signal(signal.SIGSTOP)
+        self.note(f"SIGSTOP {victim}")
+        await asyncio.sleep(self.plan.pause_s)
+        proc.send_signal(signal.SIGCONT)
+        self.log.worker_pauses += 1
+        self.note(f"SIGCONT {victim} after {self.plan.pause_s} s")
+
+    async def _victim(self, stop: asyncio.Event) -> str | None:
+        """The longest-running worker, once ``min_ready_workers`` are ready (None: stopped)."""
         ready: list[str] = []
         while not stop.is_set():
             await self._replace_exited()
@@ -97,13 +127,8 @@ class ChaosMonkey:
                 break
             await asyncio.sleep(0.2)
         if stop.is_set():
-            return
-        victim = min(ready, key=lambda n: self._started.get(n, 0.0))
-        self.stack.kill(victim)
-        self.log.worker_kills += 1
-        fresh = self.stack.start_worker()
-        self._started[fresh] = time.monotonic()
-        self.note(f"SIGKILL {victim}; started {fresh}")
+            return None
+        return min(ready, key=lambda n: self._started.get(n, 0.0))
 
     async def restart_redis(self, stop: asyncio.Event) -> None:
         down_at = time.monotonic()

@@ -43,6 +43,7 @@ async def test_every_job_survives_worker_redis_and_gateway_kills_exactly(tmp_pat
     assert report["reference_mismatches"] == [], summary
     # A killed worker's jobs continue elsewhere: never restarted, never dead-lettered.
     assert report["jobs_restarted"] == 0 and report["dead_lettered"] == 0, summary
-    assert report["server"] == {"pending_entries": 0, "dead_letters_stored": 0}, summary
+    assert report["server"] == {"pending_entries": 0, "dead_letters_stored": 0,
+                                "stored_stream_problems": {}}, (summary, report["server"])
     assert report["unexpected_exits"] == [] and report["logs"] == {}, summary
     assert report["server_errors"] == {}, summary  # 503 while Redis is away, never a 500
