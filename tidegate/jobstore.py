@@ -197,12 +197,22 @@ async def claim_many(redis: aioredis.Redis, jobs: list[tuple[str, int]], worker_
     if not jobs:
         return []
     script = redis.register_script(_CLAIM_LUA)  # EVALSHA: the body travels once, if at all
-    pipe = redis.pipeline(transaction=False)
-    for job_id, attempt in jobs:
-        await script(keys=[keys.job_hash(job_id), keys.job_events(job_id)],
-                     args=[worker_id, attempt], client=pipe)
-    return [Claim(str(before), int(next_id), int(stalls))
-            for before, next_id, stalls in await pipe.execute()]
+    for attempt in range(2):
+        pipe = redis.pipeline(transaction=False)
+        for job_id, delivery in jobs:
+            await script(keys=[keys.job_hash(job_id), keys.job_events(job_id)],
+                         args=[worker_id, delivery], client=pipe)
+        try:
+            return [Claim(str(before), int(next_id), int(stalls))
+                    for before, next_id, stalls in await pipe.execute()]
+        except NoScriptError:
+            # A pipeline loads its scripts before it runs, but its retry after a dropped
+            # connection does not: a Redis restarted meanwhile (its script cache empty)
+            # refuses the EVALSHA. Nothing ran (the first command failed); a new pipeline
+            # loads the script again.
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
 
 
 async def request_cancel(redis: aioredis.Redis, job_id: str, *,
