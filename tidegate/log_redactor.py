@@ -167,8 +167,22 @@ class LogRedactor:
         except Exception:  # malformed from the start: keep what it says, as one string
             record.msg, record.args = self.scrub(f"{record.msg} {record.args!r}"), ()
             return
-        if clean is not None and again != clean and self.scrub(again) != again:
-            record.msg, record.args = clean, ()  # the secret's context is in the format string
+        if clean is None or again == clean or self.scrub(again) == again:
+            return
+        # The secret's context spans arguments (``token=`` ending one, its value the next) or
+        # lies in the format string: the message becomes the scrubbed line, and the arguments
+        # stay, hidden unless numbers, for formatters that unpack them (uvicorn's access log
+        # builds its line from its five): each is consumed by a ``%.0s`` that prints nothing.
+        escaped = clean.replace("%", "%%")
+        if isinstance(record.args, tuple):
+            record.msg = escaped + "%.0s" * len(record.args)
+            record.args = tuple(_hidden(a) for a in record.args)
+        elif isinstance(record.args, dict) and all(
+                isinstance(k, str) and ")" not in k for k in record.args):
+            record.msg = escaped + "".join(f"%({k}).0s" for k in record.args)
+            record.args = {k: _hidden(v) for k, v in record.args.items()}
+        else:
+            record.msg, record.args = clean, ()
 
     def _arg(self, arg: object) -> object:
         if arg is None or isinstance(arg, (bool, int, float)):
@@ -239,6 +253,10 @@ class LogRedactor:
             logger = logging.getLogger(name)
             if not any(isinstance(f, _RedactingFilter) for f in logger.filters):
                 logger.addFilter(_RedactingFilter(self))
+
+
+def _hidden(arg: object) -> object:
+    return arg if arg is None or isinstance(arg, (bool, int, float)) else REDACTED
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -76,6 +76,25 @@ def test_an_access_line_with_a_token_is_kept_and_the_token_hidden() -> None:
     assert stderr.getvalue() == ""
 
 
+@pytest.mark.parametrize("path", [
+    "/v1/jobs/abc/events?last_event_id=7&token=",  # empty: the next word looks like its value
+    f"/v1/jobs/abc/events?token= {KEY}",
+    "/v1/jobs/abc/events?token=%20tok-1234567890abcdef",
+])
+def test_an_access_line_whose_token_spans_its_arguments_is_kept_hidden(path: str) -> None:
+    # Found by the fuzzer: scrubbing the whole line hid more than scrubbing each argument
+    # (``token=`` then ``HTTP/1.1``), and the fallback dropped the arguments uvicorn unpacks.
+    stderr = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "stderr", stderr)
+        for logger, stream in _logger("uvicorn.access", AccessFormatter(
+                '%(client_addr)s - "%(request_line)s" %(status_code)s', use_colors=False)):
+            logger.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5050", "GET", path, "1.1", 403)
+            line = stream.getvalue()
+    assert stderr.getvalue() == ""
+    assert line.endswith('" 403 Forbidden\n') and KEY not in line and "tok-1234" not in line
+
+
 @pytest.mark.parametrize("value", [
     f"Bearer {KEY}", f"bearer {WRONG}", f"Basic {base64.b64encode(f'me:{WRONG}'.encode()).decode()}",
     f"Token {WRONG}", f"Bearer {KEY},{WRONG}", f"Bearer {KEY} {WRONG}", WRONG])
