@@ -31,9 +31,13 @@ log = logging.getLogger("tidegate.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_decode_cpu.c", CSRC / "linear_cpu.c")  # one shared object
-# -ffast-math lets the compiler vectorize the reductions (the kernel never sees inf or NaN
-# by construction: its exp clamps, its max starts from a real score).
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11",
+# fast-math's parts let the compiler vectorize the reductions (the kernel never sees inf or
+# NaN by construction: its exp clamps, its max starts from a real score). Not -ffast-math
+# itself: with it, GCC links crtfastmath.o into the shared object, whose loading turns on
+# flush-to-zero for the whole process (every subnormal then reads as 0, in torch too).
+FAST_MATH = ["-fno-math-errno", "-fno-trapping-math", "-ffinite-math-only", "-fno-signed-zeros",
+             "-fassociative-math", "-freciprocal-math"]
+FLAGS = ["-O3", "-march=native", *FAST_MATH, "-fopenmp", "-fPIC", "-shared", "-std=c11",
          # 512-bit vectors where the CPU has them (compilers default to 256 on AVX-512 parts).
          *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else [])]
 

@@ -28,8 +28,13 @@ async def test_every_job_survives_worker_redis_and_gateway_kills_exactly(tmp_pat
     # A visibility timeout of 4 s: an outage (up to 1.5 s) can outlast a live worker's refresh,
     # so a live worker's job can be taken over too; the write fence makes the first drop it
     # (benchmarks/results/chaos.md, run B, was that case before the fence).
+    # One sequence per worker: a CPU matmul's rounding depends on how many rows it has, so a
+    # greedy token on a near-tie can flip with the batch a job happened to share (1 job in 175
+    # here with 16 seats: not a fault of the chaos, and no engine is batch-invariant); alone
+    # in its worker, a job computes exactly as in the calm reference run. The benchmark runs
+    # 16 seats (benchmarks/results/chaos.md).
     cfg = ChaosConfig(plan=plan, jobs=40, concurrency=24, max_tokens=(80, 400), sse_every=4,
-                      workers=3, max_num_seqs=16, visibility_timeout_s=4, patience_s=90,
+                      workers=3, max_num_seqs=1, visibility_timeout_s=4, patience_s=90,
                       seed=1)
     report = await run_chaos(cfg, tmp_path / "logs")
     summary = headline(report)

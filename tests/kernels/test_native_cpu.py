@@ -145,3 +145,16 @@ def test_wrapper_rejects_what_the_kernel_cannot_read(monkeypatch: pytest.MonkeyP
     with pytest.raises(ValueError, match="one row per query"):
         native().paged_decode(b.q, b.key_cache, b.value_cache, meta.block_tables[:0],
                               meta.seq_lens, b.scale)
+
+
+def test_loading_the_native_kernels_keeps_subnormal_floats() -> None:
+    # Built with -ffast-math, the shared object turned on flush-to-zero for the whole process
+    # when loaded (GCC links crtfastmath.o): every subnormal read as 0 afterwards, in torch and
+    # NumPy too, and hypothesis refused to run in the same process.
+    import numpy as np
+
+    if native_cpu.native_kernels() is None:
+        pytest.skip("no C compiler")
+    tiny = np.float64(2.2250738585072014e-308)  # the smallest normal double
+    assert tiny * np.float64(0.5) > 0
+    assert torch.tensor(1e-39, dtype=torch.float32).item() > 0
