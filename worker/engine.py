@@ -157,7 +157,7 @@ class Engine:
     # ------------------------------------------------------------------ interface
 
     def add_request(self, request: EngineRequest) -> None:
-        self.check_request(request)
+        self._check_limits(request)
         params = request.params
         seed = request.seed if request.seed is not None else params.seed
         self._seqs[request.request_id] = seq = Sequence(
@@ -179,7 +179,13 @@ class Engine:
         self.scheduler.add(seq)
 
     def check_request(self, request: EngineRequest) -> None:
-        """Raise ``RequestError`` for a request that could never run here."""
+        """Raise ``RequestError`` for a request that could never run here (``ResumeError``
+        for one whose tokens already generated cannot be continued from)."""
+        self._check_limits(request)
+        if request.output_ids:
+            self._resumed_detokenizer(request)
+
+    def _check_limits(self, request: EngineRequest) -> None:
         n, max_tokens = len(request.prompt_ids), request.params.max_tokens
         if n == 0:
             raise RequestError("prompt is empty")
@@ -195,8 +201,6 @@ class Engine:
             raise RequestError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) can never fit in this "
                 f"worker's KV cache of {self.kv_spec.num_tokens} tokens")
-        if request.output_ids:
-            self._resumed_detokenizer(request)
 
     def _resumed_detokenizer(self, request: EngineRequest) -> IncrementalDetokenizer:
         """The request's detokenizer, past its tokens already generated: it holds back what

@@ -356,7 +356,8 @@ class WorkerService:
             except RequestError:
                 pass  # answered below, as for any job
         try:
-            self.engine.check_request(request)
+            if kept is None:  # a continued request passed the same checks above
+                self.engine.check_request(request)
         except RequestError as exc:
             publisher.fail(delivery, next_id, code="invalid_request", message=str(exc))
             return load
