@@ -63,7 +63,7 @@ from benchmarks.serving.patient_client import GaveUp, PatientClient  # noqa: E40
 from benchmarks.serving.stack import StackConfig  # noqa: E402
 from benchmarks.serving.stream_check import StreamCheck  # noqa: E402
 from tidegate import keys  # noqa: E402
-from tidegate.event_log import EVENT_FIELD  # noqa: E402
+from tidegate.events.event_log import EVENT_FIELD  # noqa: E402
 
 WORDS = ("tide", "gate", "river", "stone", "lamp", "owl", "cedar", "north", "salt", "copper")
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tidegate.protocol import SamplingParams
-from worker.cpu_tuning import keep_large_allocations
-from worker.engine import Engine, EngineConfig, EngineRequest
-from worker.loader import LoadedModel, load_model
+from worker.engine.engine import Engine, EngineConfig, EngineRequest
+from worker.models.loaders.loader import LoadedModel, load_model
+from worker.service.cpu_tuning import keep_large_allocations
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +138,7 @@ def median_run(same: tuple[RunResult, ...]) -> RunResult:
 def load_hf() -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from tidegate.model_source import resolve_model
+    from tidegate.model_files.model_source import resolve_model
 
     path = resolve_model("smollm2").path
     assert path is not None

@@ -1,6 +1,6 @@
 """Fan-out benchmark: N WebSocket clients watching M jobs on one gateway process.
 
-A synthetic publisher writes token events the way a worker does (``tidegate.event_log``: every
+A synthetic publisher writes token events the way a worker does (``tidegate.events.event_log``: every
 10 ms one batch, each event stored in its job's stream, then one message per live channel) at
 R events/s spread over the M jobs; every event carries
 its publish time, so each client measures publish -> receive latency. Reported per N:
@@ -34,7 +34,7 @@ import redis.asyncio as aioredis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tidegate.event_log import EventBatch, EventLog  # noqa: E402
+from tidegate.events.event_log import EventBatch, EventLog  # noqa: E402
 from tidegate.jobstore import enqueue  # noqa: E402
 from tidegate.protocol import DoneEvent, JobRequest, Timings, Usage, token_event_json  # noqa: E402
 
@@ -71,7 +71,7 @@ def start_redis(port: int, workdir: Path) -> subprocess.Popen:
 def start_gateway(port: int, redis_url: str) -> subprocess.Popen:
     env = {**os.environ, "TIDEGATE_REDIS_URL": redis_url, "TIDEGATE_LOG_LEVEL": "WARNING",
            "TIDEGATE_PORT": str(port)}
-    proc = subprocess.Popen([sys.executable, "-m", "tidegate.cli", "gateway", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "tidegate", "gateway", "--port", str(port)],
                             env=env, cwd=ROOT)
     import urllib.request
 

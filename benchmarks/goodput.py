@@ -67,7 +67,7 @@ class Stack:
         env = {**os.environ, "TIDEGATE_REDIS_URL": self.url, "TIDEGATE_LOAD_SHEDDING":
                str(shedding).lower(), "TIDEGATE_MAX_NUM_SEQS": str(max_num_seqs),
                "TIDEGATE_LOG_LEVEL": "WARNING", "TIDEGATE_KV_CACHE_GB": "0.5"}
-        self.worker = subprocess.Popen([sys.executable, "-m", "tidegate.cli", "worker"], env=env,
+        self.worker = subprocess.Popen([sys.executable, "-m", "tidegate", "worker"], env=env,
                                        stdout=subprocess.DEVNULL)
 
     @property

@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 from kernels import ops  # noqa: E402
 from kernels.paged_attention_triton import default_num_splits  # noqa: E402
 from tidegate.protocol import SamplingParams  # noqa: E402
-from worker.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
-from worker.loader import load_model  # noqa: E402
+from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
+from worker.models.loaders.loader import load_model  # noqa: E402
 
 SECTIONS = ("ceilings", "kernels", "batch1", "profile1", "offline", "mixed", "hfset", "hf")
 MODEL = "random:llama-3-8b"
@@ -248,7 +248,7 @@ def hfset(loaded) -> dict[str, float]:
 def hf_generate_batch() -> dict[str, float]:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from tidegate.model_source import preset_config
+    from tidegate.model_files.model_source import preset_config
 
     p = preset_config("llama-3-8b")
     cfg = LlamaConfig(

@@ -1,6 +1,6 @@
 """What the log redactor costs per record: the lines a gateway and an API write, without and with it.
 
-Each line kind is logged ``--records`` times through a real handler (``tidegate.cli``'s format,
+Each line kind is logged ``--records`` times through a real handler (``tidegate.commands.cli``'s format,
 into memory), best of ``--repeats`` runs; first with the standard record factory, then with
 ``tidegate.log_redactor`` installed (``--keys`` configured keys, two by default, and 16,384
 remembered stream tokens, as a busy API holds). Times are CPU time of this process. Kinds: what the gateway logs at INFO for every WebSocket watcher (uvicorn's
@@ -64,7 +64,7 @@ def main() -> None:
     logger.setLevel(logging.INFO)
     off = {k: per_record_us(logger, v, args.records, args.repeats) for k, v in LINES.items()}
 
-    from tidegate.auth import Auth, new_stream_token
+    from tidegate.http.auth import Auth, new_stream_token
     from tidegate.log_redactor import RECENT_MAX, REDACTOR
 
     REDACTOR.install()

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
-from producer.rate_limit import RateLimiter, TenantLimits
+from producer.submit.rate_limit import RateLimiter, TenantLimits
 
 
 async def cpu_us_per_call(call: Callable[[int], Awaitable[object]], calls: int,

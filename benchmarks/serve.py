@@ -213,8 +213,8 @@ class Run:
 def plan_work(bench: Bench) -> list[Run]:
     """The warm-up, the burst and each rate's jobs. Prompts are distinct everywhere (each run
     has its own seed), so no run hits the prefix cache of another."""
-    from tidegate.model_source import resolve_model
-    from tidegate.tokenizer import load_tokenizer
+    from tidegate.model_files.model_source import resolve_model
+    from tidegate.model_files.tokenizer import load_tokenizer
 
     a = bench.args
     tokenizer = load_tokenizer(resolve_model(a.model))

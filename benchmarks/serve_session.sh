@@ -30,7 +30,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cores: $(nproc); $(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
 .redisbin/run-redis --version || exit 1
 python3 -c "import redis, hiredis, pydantic, pydantic_settings, starlette, uvicorn, websockets, \
-httptools, gguf, tidegate.cli, worker.service, producer.api, streaming.gateway" || exit 1
+httptools, gguf, tidegate.commands.cli, worker.service.service, producer.api, streaming.gateway" || exit 1
 
 if [[ -n "${TESTS:-}" ]]; then  # GPU tests first (TESTS="tests/gpu ..."), two minutes at most
   timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default $TESTS \
@@ -43,7 +43,7 @@ if [[ -n "${PROFILE_S:-}" && -x .tools/py-spy ]]; then
   (  # once a worker runs and the log says a measured run began, sample it
     until grep -qE "^(burst|rate [0-9.]+/s): [0-9]+ jobs" "$OUT/session.log" 2>/dev/null; do
       sleep 0.5; done
-    pid=$(pgrep -f "tidegate.cli worker" | head -1)
+    pid=$(pgrep -f "tidegate worker" | head -1)
     [[ -n "$pid" ]] && .tools/py-spy record --pid "$pid" --duration "$PROFILE_S" --rate 200 \
       --format raw --nonblocking --output "$OUT/$name-worker.raw" >/dev/null 2>&1
   ) &

@@ -1,7 +1,7 @@
 """Submit throughput: how many ``POST /v1/jobs`` one ``tidegate api`` process answers per second.
 
 Starts a redis-server (free port, AOF ``appendfsync everysec`` as in compose) and one
-``python -m tidegate.cli api`` process per model and auth setting, then drives ``POST /v1/jobs``
+``python -m tidegate api`` process per model and auth setting, then drives ``POST /v1/jobs``
 as fast as it answers from a fixed number of keep-alive connections. Reported per scenario:
 submits/s, latency p50/p99, 2xx and other answers, the CPU the API process used (from
 ``/proc/<pid>/stat``: share of one core, and microseconds per submit), redis-server's and the
@@ -144,7 +144,7 @@ class ApiProc:
             env["TIDEGATE_API_KEYS"] = ",".join(API_KEYS)
         else:
             env.pop("TIDEGATE_API_KEYS", None)
-        cmd = [sys.executable, "-m", "tidegate.cli", "api", "--redis-url", redis_url,
+        cmd = [sys.executable, "-m", "tidegate", "api", "--redis-url", redis_url,
                "--model", model, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log = log_path.open("ab")
         self.proc = subprocess.Popen(pinned(cmd, cpus), cwd=ROOT, env=env, stdout=self.log,

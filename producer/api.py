@@ -24,21 +24,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from producer import idempotency
-from producer.admission import Admission, AdmissionError
-from producer.backlog import LaneBacklog, LaneFull
 from producer.errors import FieldError, error_body, field_errors
-from producer.idempotency import Claim, ClaimInProgress
 from producer.openapi_paths import producer_docs
-from producer.rate_limit import RateLimiter
-from producer.refusal import Refusal, refusal_of
 from producer.socket_submit import SocketSubmit
+from producer.submit import idempotency
+from producer.submit.admission import Admission, AdmissionError
+from producer.submit.backlog import LaneBacklog, LaneFull
+from producer.submit.idempotency import Claim, ClaimInProgress
+from producer.submit.rate_limit import RateLimiter
+from producer.submit.refusal import Refusal, refusal_of
 from tidegate import untrusted_json
-from tidegate.auth import Auth, AuthError, job_access, new_stream_token, token_hash
-from tidegate.event_hub import EventHub
+from tidegate.events.event_hub import EventHub
+from tidegate.http.auth import Auth, AuthError, job_access, new_stream_token, token_hash
+from tidegate.http.openapi import openapi_route
 from tidegate.jobstore import enqueue, read_result, request_cancel
-from tidegate.openapi import openapi_route
-from tidegate.operator_routes import metrics_response, readiness_response
+from tidegate.operations.operator_routes import metrics_response, readiness_response
 from tidegate.protocol import Job, JobRequest
 from tidegate.redis_conn import connect
 from tidegate.settings import Settings
@@ -76,9 +76,9 @@ class ProducerAPI:
         # Routing errors (404 no route, 405) in the same JSON shape; pass to the app.
         self.exception_handlers: Mapping[Any, Any] = {
             HTTPException: _http_exception, Exception: _internal_error}
-        # --- OpenAI-compatible routes (producer/openai_api.py), sharing this API's auth,
+        # --- OpenAI-compatible routes (producer/openai_compat/routes.py), sharing this API's auth,
         # admission and enqueue. Imported here because that module imports this one.
-        from producer.openai_api import OpenAIRoutes
+        from producer.openai_compat.routes import OpenAIRoutes
 
         self.routes += OpenAIRoutes(self).routes
         self.routes += SocketSubmit(self).routes

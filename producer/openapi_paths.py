@@ -1,4 +1,4 @@
-"""The producer API's routes in OpenAPI (``tidegate.openapi``): ``/v1/jobs``, the OpenAI routes,
+"""The producer API's routes in OpenAPI (``tidegate.http.openapi``): ``/v1/jobs``, the OpenAI routes,
 ``/v1/stream`` and the operator routes, with request bodies from ``JobRequest`` and the OpenAI
 request models."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from producer.openai_schema import ChatCompletionRequest, CompletionRequest
-from tidegate.openapi import (
+from producer.openai_compat.schema import ChatCompletionRequest, CompletionRequest
+from tidegate.http.openapi import (
     KEY_ONLY,
     KEY_OR_TOKEN,
     RATE_HEADERS,

@@ -11,8 +11,8 @@ The client's first frame is one of:
 ``Authorization: Bearer <key>`` on the upgrade instead. A refused request gets ``{"type":
 "error", "status": <the HTTP API's status>, "error": <its JSON error body>}`` and a close code:
 4400 invalid (400/413/422), 4401, 4403, 4404, 4409 (idempotency conflict), 4429 backlog full
-or rate limited (``producer.rate_limit``),
-1013 store unavailable. After the first frame the protocol is ``tidegate.ws_relay``'s.
+or rate limited (``producer.submit.rate_limit``),
+1013 store unavailable. After the first frame the protocol is ``tidegate.events.ws_relay``'s.
 """
 
 from __future__ import annotations
@@ -25,13 +25,12 @@ from redis.exceptions import RedisError
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from producer.backlog import LaneFull
 from producer.errors import FieldError
-from producer.idempotency import ClaimInProgress
-from producer.refusal import Refusal, refusal_of
+from producer.submit.backlog import LaneFull
+from producer.submit.idempotency import ClaimInProgress
+from producer.submit.refusal import Refusal, refusal_of
 from tidegate import keys
-from tidegate.auth import AuthError, job_access
-from tidegate.ws_relay import (
+from tidegate.events.ws_relay import (
     CLOSE_BAD_REQUEST,
     CLOSE_TRY_AGAIN,
     MAX_RESUME_ID,
@@ -40,6 +39,7 @@ from tidegate.ws_relay import (
     parse_frame,
     relay,
 )
+from tidegate.http.auth import AuthError, job_access
 
 if TYPE_CHECKING:
     from producer.api import ProducerAPI

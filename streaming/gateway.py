@@ -2,7 +2,7 @@
 
 Routes:
 * ``WS /v1/jobs/{id}/stream[?last_event_id=N]``: the job's events after N (all when absent),
-  then live ones, no gap and no duplicate; protocol and close codes in ``tidegate.ws_relay``.
+  then live ones, no gap and no duplicate; protocol and close codes in ``tidegate.events.ws_relay``.
 * ``GET /v1/jobs/{id}/events``: the same as Server-Sent Events (``id:`` is the event id, so a
   browser's ``EventSource`` resumes by itself with ``Last-Event-ID``).
 * ``GET /v1/queue``: queue depth per lane, running jobs, live workers, tokens/s.
@@ -10,7 +10,7 @@ Routes:
 * ``GET /healthz``.
 
 A watcher shows the owner's ``Authorization: Bearer <key>`` or the job's ``?token=<stream
-token>`` (``tidegate.auth``). One ``EventHub`` per process multiplexes every watcher over a
+token>`` (``tidegate.http.auth``). One ``EventHub`` per process multiplexes every watcher over a
 single Redis pub/sub connection; each watcher has a bounded queue, and one that falls further
 behind is cut (1013 / end of the SSE stream) without slowing anyone else.
 """
@@ -31,14 +31,8 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from streaming.openapi_paths import gateway_docs
-from tidegate.auth import Auth, AuthError, job_access
-from tidegate.event_hub import EventHub, Lagging
-from tidegate.openapi import openapi_route
-from tidegate.operator_routes import metrics_response, readiness_response
-from tidegate.queue_stats import queue_stats
-from tidegate.redis_conn import connect
-from tidegate.settings import Settings
-from tidegate.ws_relay import (
+from tidegate.events.event_hub import EventHub, Lagging
+from tidegate.events.ws_relay import (
     CLOSE_BAD_REQUEST,
     CLOSE_TRY_AGAIN,
     CLOSE_UNKNOWN_JOB,
@@ -46,6 +40,12 @@ from tidegate.ws_relay import (
     close,
     relay,
 )
+from tidegate.http.auth import Auth, AuthError, job_access
+from tidegate.http.openapi import openapi_route
+from tidegate.operations.operator_routes import metrics_response, readiness_response
+from tidegate.operations.queue_stats import queue_stats
+from tidegate.redis_conn import connect
+from tidegate.settings import Settings
 
 STATIC = Path(__file__).with_name("static")
 SSE_KEEPALIVE_S = 15.0

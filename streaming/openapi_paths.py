@@ -1,9 +1,10 @@
-"""The gateway's routes in OpenAPI (``tidegate.openapi``): the job's WebSocket and Server-Sent
+"""The gateway's routes in OpenAPI (``tidegate.http.openapi``): the job's WebSocket and Server-Sent
 Events streams, the queue view, the web page and its static files, the operator routes."""
 
 from __future__ import annotations
 
-from tidegate.openapi import (
+from tidegate.events.ws_relay import MAX_RESUME_ID
+from tidegate.http.openapi import (
     KEY_ONLY,
     KEY_OR_TOKEN,
     OpenAPIDocs,
@@ -11,7 +12,6 @@ from tidegate.openapi import (
     json_response,
     operator_operations,
 )
-from tidegate.ws_relay import MAX_RESUME_ID
 
 JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
 LAST_EVENT_ID = {"name": "last_event_id", "in": "query", "required": False,

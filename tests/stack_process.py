@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import RedisServer, free_port
 
-TIDEGATE = [sys.executable, "-m", "tidegate.cli"]
+TIDEGATE = [sys.executable, "-m", "tidegate"]
 
 
 @contextmanager

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 from tidegate import keys
-from tidegate.event_log import COMPACT_LUA
+from tidegate.events.event_log import COMPACT_LUA
 from tidegate.protocol import Job, JobResult, QueuedEvent
 from tidegate.retention import Retention
 
@@ -159,7 +159,7 @@ return {status, next_id, stalls}
 # KEYS: job hash, job events. ARGV: live channel, ttl_s, now_ms, cancel channel, job id,
 # events maxlen.
 # A queued job ends here as cancelled (done event stored and published in the live format of
-# tidegate.event_log), its keys kept ttl_s from now (the cancelled retention); a running one is flagged, and its id pushed to the workers, whose one
+# tidegate.events.event_log), its keys kept ttl_s from now (the cancelled retention); a running one is flagged, and its id pushed to the workers, whose one
 # running it stops it within a step. Returns what happened.
 _CANCEL_LUA = _NEXT_ID_LUA + COMPACT_LUA + """
 local status = redis.call('HGET', KEYS[1], 'status')

@@ -51,7 +51,7 @@ def job_hash(job_id: str) -> str:
 
 def job_events(job_id: str) -> str:
     """Stream of every event the job emitted, in order, for replay to late clients; the
-    entry id of event N is ``N-0`` (``tidegate.event_log``)."""
+    entry id of event N is ``N-0`` (``tidegate.events.event_log``)."""
     return f"{PREFIX}:job:{{{job_id}}}:events"
 
 

@@ -18,7 +18,7 @@ a test's capture, any installed later. Two layers:
 websockets cuts a frame short when it logs one (the start and the end of the payload), which
 could leave a piece of a key no pattern recognises: a frame is redacted whole before it is cut,
 and a fragment of a message (whose other part is in another frame) is not shown at all.
-The entry point (``tidegate.cli``) also sends uncaught exceptions (``sys.excepthook``,
+The entry point (``tidegate.commands.cli``) also sends uncaught exceptions (``sys.excepthook``,
 ``threading.excepthook``) through the same scrub.
 """
 

@@ -3,7 +3,7 @@
 A job's hash and event stream (one ``{job_id}`` slot) live ``unfinished_s`` while the job is
 queued or running (every write refreshes it); the write that stores the final event sets the
 retention of its final status on both keys. Written where the final status is written: the
-event-log script (``tidegate.event_log``, the worker's results, errors, rejections and cancels)
+event-log script (``tidegate.events.event_log``, the worker's results, errors, rejections and cancels)
 and the cancel script (``tidegate.jobstore``, a job cancelled while queued).
 
 In the steady state Redis holds about ``sum(rate_s x ttl_s x bytes_per_job)`` over the final

@@ -90,7 +90,7 @@ class Settings(BaseSettings):
     max_backlog: int = Field(default=10_000, ge=1)
     retry_after_s: int = Field(default=2, ge=1)
     # Each tenant's (API key's) default rate limits, held in Redis across API replicas
-    # (producer/rate_limit.py); a keys-file line may set its key's own. None: unlimited.
+    # (producer/submit/rate_limit.py); a keys-file line may set its key's own. None: unlimited.
     rate_limit_requests_per_s: float | None = Field(default=None, gt=0)
     # Charged prompt tokens + max_tokens at submit, as OpenAI counts them at admission.
     rate_limit_tokens_per_min: int | None = Field(default=None, gt=0)

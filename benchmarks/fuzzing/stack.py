@@ -68,7 +68,7 @@ def tidegate_up(redis_url: str, log: Path, *, startup_timeout_s: float = 180,
            "TIDEGATE_LOG_LEVEL": log_level, "TIDEGATE_METRICS_PORT": str(free_port())}
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tidegate.cli", "up", "--redis-url", redis_url,
+            [sys.executable, "-m", "tidegate", "up", "--redis-url", redis_url,
              "--port", str(port), "--model", MODEL],
             env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         try:

@@ -26,8 +26,8 @@ from benchmarks.serving.loadgen import ClientPlan, Endpoints, JobSpec, LoadResul
 from benchmarks.serving.metrics import Dist, Slo, exactness_problem, generator_use, stack_shares
 from benchmarks.serving.workload import WORDS
 from tidegate import keys
-from tidegate.auth import ANONYMOUS, new_stream_token, tenant_of, token_hash
-from tidegate.event_log import EVENT_FIELD
+from tidegate.events.event_log import EVENT_FIELD
+from tidegate.http.auth import ANONYMOUS, new_stream_token, tenant_of, token_hash
 from tidegate.protocol import (
     DoneEvent,
     JobRequest,

@@ -29,10 +29,10 @@ import torch
 from benchmarks.serving.metrics import Dist
 from tidegate.protocol import SamplingParams, now_ms
 from tidegate.settings import load_settings
-from worker.calibration import calibrate
-from worker.engine import Engine, EngineRequest
-from worker.load_shedder import LoadShedder, ShedderConfig
-from worker.service import build_engine
+from worker.engine.engine import Engine, EngineRequest
+from worker.service.service import build_engine
+from worker.shedding.calibration import calibrate
+from worker.shedding.load_shedder import LoadShedder, ShedderConfig
 
 
 def run(engine: Engine, prompts: list[list[int]], output_lens: list[int],

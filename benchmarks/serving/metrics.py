@@ -104,7 +104,7 @@ class RunSummary:
     engine_alone: dict[str, object] = field(default_factory=dict)
     # Per worker, its counters' growth over the run: seconds in engine steps, the engine
     # thread's CPU in them, the event loop thread's CPU, the publisher's share of it, writes,
-    # events, tokens (worker/metrics.py).
+    # events, tokens (worker/service/metrics.py).
     worker_time: dict[str, dict[str, float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from benchmarks.serving.workload import Work
 
 ROOT = Path(__file__).resolve().parents[2]
-TIDEGATE = [sys.executable, "-m", "tidegate.cli"]
+TIDEGATE = [sys.executable, "-m", "tidegate"]
 PR_SET_PDEATHSIG = 1
 
 
@@ -119,7 +119,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-# The worker's own accounting of its time (worker/metrics.py), read from its /metrics.
+# The worker's own accounting of its time (worker/service/metrics.py), read from its /metrics.
 WORKER_TIME_METRICS = ("tidegate_engine_step_seconds_total",
                        "tidegate_engine_host_cpu_seconds_total",
                        "tidegate_publisher_cpu_seconds_total",

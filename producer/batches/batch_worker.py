@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from arq.connections import ArqRedis, RedisSettings
 from arq.worker import Worker, func
 
-from producer.batch import LINE_CHUNK, error_line, line_job_id, line_request
+from producer.batches.batch import LINE_CHUNK, error_line, line_job_id, line_request
 from tidegate import keys
 from tidegate.jobstore import enqueue
 from tidegate.protocol import now_ms

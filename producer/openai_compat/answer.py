@@ -25,11 +25,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from starlette.types import Receive, Scope, Send
 
-from producer.openai_errors import OpenAIError, from_error_event, from_rejected
-from producer.openai_format import FINISH_REASONS, Shape, TokenLogprob, TokenSpeller
+from producer.openai_compat.errors import OpenAIError, from_error_event, from_rejected
+from producer.openai_compat.format import FINISH_REASONS, Shape, TokenLogprob, TokenSpeller
 from tidegate.cancelling import cancel_and_wait
-from tidegate.event_feed import FeedEvent
-from tidegate.event_hub import EventHub, Lagging
+from tidegate.events.event_feed import FeedEvent
+from tidegate.events.event_hub import EventHub, Lagging
 from tidegate.jobstore import request_cancel
 
 log = logging.getLogger(__name__)

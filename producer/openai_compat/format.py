@@ -2,7 +2,7 @@
 chunks, logprobs, and tidegate's finish reasons in OpenAI's vocabulary.
 
 ``ChatShape`` and ``CompletionShape`` answer the same questions for their endpoint, so the code
-that follows a job's events (``producer.openai_answer``) is the same for both.
+that follows a job's events (``producer.openai_compat.answer``) is the same for both.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 
 from tokenizers import decoders
 
-from tidegate.byte_level_bpe import bytes_to_unicode
-from tidegate.tokenizer import Tokenizer
+from tidegate.model_files.byte_level_bpe import bytes_to_unicode
+from tidegate.model_files.tokenizer import Tokenizer
 
 # tidegate's finish reason -> OpenAI's (stop | length | content_filter). A deadline cuts the
 # text short as max_tokens does, so it reads as "length"; a cancel is a stop the caller asked

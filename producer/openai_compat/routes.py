@@ -1,11 +1,11 @@
 """OpenAI-compatible routes on the producer API: ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /v1/models/{model}``.
 
-A request is translated into a tidegate ``JobRequest`` (``producer.openai_schema``), goes
+A request is translated into a tidegate ``JobRequest`` (``producer.openai_compat.schema``), goes
 through the same auth, admission, backpressure and enqueue as ``POST /v1/jobs``
 (``ProducerAPI.submit_job``), and is answered from the job's events
-(``producer.openai_answer``), as one JSON body or as server-sent events. Every error is in
-OpenAI's shape (``producer.openai_errors``).
+(``producer.openai_compat.answer``), as one JSON body or as server-sent events. Every error is in
+OpenAI's shape (``producer.openai_compat.errors``).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
 
 from producer.api import ProducerAPI, Refusal, _read_json
-from producer.backlog import LaneFull
-from producer.openai_answer import Answer
-from producer.openai_errors import OpenAIError, from_refusal, model_not_found
-from producer.openai_format import ChatShape, CompletionShape, Shape, TokenSpeller
-from producer.openai_schema import ChatCompletionRequest, CompletionRequest, parse_body
-from producer.rate_limit import with_headers
-from tidegate.auth import AuthError
-from tidegate.model_source import resolve_model
+from producer.openai_compat.answer import Answer
+from producer.openai_compat.errors import OpenAIError, from_refusal, model_not_found
+from producer.openai_compat.format import ChatShape, CompletionShape, Shape, TokenSpeller
+from producer.openai_compat.schema import ChatCompletionRequest, CompletionRequest, parse_body
+from producer.submit.backlog import LaneFull
+from producer.submit.rate_limit import with_headers
+from tidegate.http.auth import AuthError
+from tidegate.model_files.model_source import resolve_model
 
 ALIAS = "tidegate"  # a model name every deployment answers to, whatever it serves
 OWNED_BY = "tidegate"

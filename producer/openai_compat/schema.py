@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from producer.errors import FieldError, field_errors
-from producer.openai_errors import OpenAIError, from_fields, invalid, unsupported
+from producer.openai_compat.errors import OpenAIError, from_fields, invalid, unsupported
 from tidegate.protocol import JobRequest
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0

@@ -8,10 +8,10 @@ Plain Python: no torch, no Redis.
 
 from __future__ import annotations
 
-from tidegate.chat_template import ChatTemplateError
-from tidegate.model_source import resolve_model
+from tidegate.model_files.chat_template import ChatTemplateError
+from tidegate.model_files.model_source import resolve_model
+from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
 from tidegate.protocol import MAX_TOKENS_LIMIT, JobRequest
-from tidegate.tokenizer import Tokenizer, load_tokenizer
 
 # Prompts (or chats, their contents added up) of at most this many characters are admitted on
 # the event loop: tokenizing them takes 20-400 us, less than or about what handing the work to a
@@ -50,7 +50,7 @@ class Admission:
     def for_model(cls, model: str, max_output_tokens: int = MAX_TOKENS_LIMIT) -> Admission:
         """Admission for a model spec (``smollm2``, a directory, a .gguf, ``random:<preset>``).
 
-        Raises ``tidegate.model_source.ModelLoadError`` when the model cannot be found.
+        Raises ``tidegate.model_files.model_source.ModelLoadError`` when the model cannot be found.
         """
         return cls(load_tokenizer(resolve_model(model)), max_output_tokens=max_output_tokens)
 

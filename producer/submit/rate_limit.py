@@ -31,10 +31,10 @@ from redis.exceptions import NoScriptError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from producer.errors import FieldError
-from producer.refusal import Refusal
+from producer.submit.refusal import Refusal
 from tidegate import keys
-from tidegate.auth import Auth
-from tidegate.key_file import UNLIMITED, KeyLimits
+from tidegate.http.auth import Auth
+from tidegate.http.key_file import UNLIMITED, KeyLimits
 from tidegate.settings import Settings
 
 # KEYS[1]: the tenant's buckets (tidegate.keys.rate_limit), fields r/r_ms (requests: level, when

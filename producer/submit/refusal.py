@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from redis.exceptions import RedisError
 from starlette.responses import JSONResponse
 
-from producer.backlog import LaneFull
 from producer.errors import FieldError, error_body
-from producer.idempotency import ClaimInProgress
-from tidegate.auth import AuthError
+from producer.submit.backlog import LaneFull
+from producer.submit.idempotency import ClaimInProgress
+from tidegate.http.auth import AuthError
 
 
 class Refusal(Exception):

@@ -11,8 +11,8 @@ from benchmarks.serving.follow import Trace
 from benchmarks.serving.loadgen import JobRecord
 from benchmarks.serving.metrics import Slo, exactness_problem
 from benchmarks.serving.workload import exact_prompt, poisson_offsets
-from tidegate.model_source import resolve_model
-from tidegate.tokenizer import load_tokenizer
+from tidegate.model_files.model_source import resolve_model
+from tidegate.model_files.tokenizer import load_tokenizer
 
 
 def events(texts: list[list[str]], *, prompt_tokens: int = 4) -> list[dict]:

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tidegate import keys
-from tidegate.cli import build_parser
+from tidegate.commands.cli import build_parser
 from tidegate.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +96,7 @@ def test_kubernetes_manifests_are_valid() -> None:
 def test_grafana_dashboard_queries_only_exported_metrics() -> None:
     dash = json.loads((COMPOSE / "grafana-dashboard.json").read_text())
     exported = set()
-    for source in ("worker/metrics.py", "tidegate/operator_routes.py", "streaming/gateway.py"):
+    for source in ("worker/service/metrics.py", "tidegate/operations/operator_routes.py", "streaming/gateway.py"):
         exported |= set(re.findall(r'"(tidegate_[a-z_]+)"', (ROOT / source).read_text()))
     used = {name for panel in dash["panels"] for t in panel["targets"]
             for name in re.findall(r"tidegate_[a-z_]+", t["expr"])}

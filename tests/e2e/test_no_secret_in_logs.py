@@ -33,7 +33,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.conftest import free_port
 from tests.stack_process import TIDEGATE
-from tidegate.auth import tenant_of, token_hash
+from tidegate.http.auth import tenant_of, token_hash
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -30,7 +30,7 @@ CANCEL_EVERY = 10  # one job in ten is long, and cancelled at a random moment
 @contextmanager
 def process(args: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen]:
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tidegate.cli", *args],
+        proc = subprocess.Popen([sys.executable, "-m", "tidegate", *args],
                                 env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
     try:
         yield proc

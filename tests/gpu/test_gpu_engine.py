@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidegate.model_source import ModelLoadError, resolve_model
+from tidegate.model_files.model_source import ModelLoadError, resolve_model
 from tidegate.protocol import SamplingParams
-from worker.engine import Engine, EngineConfig, EngineRequest
-from worker.loader import LoadedModel, load_model
+from worker.engine.engine import Engine, EngineConfig, EngineRequest
+from worker.models.loaders.loader import LoadedModel, load_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

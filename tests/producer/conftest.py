@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from starlette.applications import Starlette
 
-from producer.admission import Admission
 from producer.api import ProducerAPI, create_app
+from producer.submit.admission import Admission
 from streaming.gateway import Gateway
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
-from tidegate.auth import Auth
+from tidegate.http.auth import Auth
 from tidegate.settings import Settings
 
 MODEL = "random:tiny"  # byte-level tokenizer, 2048-token context: long prompts are cheap to make

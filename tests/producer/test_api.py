@@ -10,13 +10,13 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from producer.admission import Admission
 from producer.api import MAX_BODY_BYTES, create_app
+from producer.submit.admission import Admission
 from tests.asgi_server import serve
 from tests.conftest import free_port
 from tests.producer.conftest import MODEL
 from tidegate import keys
-from tidegate.auth import token_hash
+from tidegate.http.auth import token_hash
 from tidegate.jobstore import set_status
 from tidegate.protocol import MAX_TOKENS_LIMIT, Job
 from tidegate.settings import Settings

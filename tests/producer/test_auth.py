@@ -17,13 +17,13 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from producer import Client
-from producer.admission import Admission
 from producer.errors import Forbidden
 from producer.errors import Unauthorized as UnauthorizedError
+from producer.submit.admission import Admission
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tidegate import keys
-from tidegate.auth import Auth, Unauthorized, tenant_of, token_hash
+from tidegate.http.auth import Auth, Unauthorized, tenant_of, token_hash
 from tidegate.settings import Settings
 
 pytestmark = pytest.mark.timeout(30)
@@ -303,10 +303,10 @@ async def test_with_auth_off_the_token_works_and_a_wrong_one_is_4403(
 def test_auth_off_is_announced_once_at_start_up(
         redis_server: RedisServer, admission: Admission, caplog: pytest.LogCaptureFixture,
         api_keys: list[str], warnings: int) -> None:
-    caplog.set_level(logging.WARNING, logger="tidegate.auth")
+    caplog.set_level(logging.WARNING, logger="tidegate.http.auth")
     with serve_stack(redis_server, admission, api_keys=api_keys):  # API and gateway both start
         pass
-    said = [r for r in caplog.records if r.name == "tidegate.auth" and "auth is OFF" in r.getMessage()]
+    said = [r for r in caplog.records if r.name == "tidegate.http.auth" and "auth is OFF" in r.getMessage()]
     assert len(said) == warnings
 
 

@@ -13,12 +13,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from producer.api import create_app
-from producer.idempotency import Claim
+from producer.submit.idempotency import Claim
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
 from tests.producer.conftest import MODEL
 from tidegate import keys
-from tidegate.auth import ANONYMOUS
+from tidegate.http.auth import ANONYMOUS
 from tidegate.protocol import Job
 from tidegate.settings import Settings
 

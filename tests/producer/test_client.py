@@ -20,7 +20,7 @@ from producer.errors import InvalidRequest, JobNotFound, ServiceUnavailable
 from tests.asgi_server import serve
 from tests.conftest import free_port
 from tidegate import keys
-from tidegate.event_log import add_event
+from tidegate.events.event_log import add_event
 from tidegate.jobstore import JOB_FIELD, set_status
 from tidegate.protocol import (
     DoneEvent,

@@ -19,8 +19,8 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from benchmarks.fuzzing.socket_cases import json_values, request_bodies
-from producer.admission import Admission
 from producer.api import create_app
+from producer.submit.admission import Admission
 from tests.asgi_server import server_errors
 from tests.producer.conftest import MODEL
 from tidegate.settings import Settings

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from producer.admission import Admission
+from producer.submit.admission import Admission
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tests.streaming.test_gateway import job_events, publish

@@ -12,10 +12,10 @@ import pytest
 import redis.asyncio as aioredis
 from websockets.asyncio.client import connect as ws_connect
 
-from producer.admission import Admission
+from producer.submit.admission import Admission
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
-from tests.producer.test_openai_api import ScriptedWorker
+from tests.producer.openai_compat.test_openai_api import ScriptedWorker
 from tests.producer.test_socket_submit import frames_until_close
 from tidegate import keys
 

@@ -19,7 +19,7 @@ from streaming.gateway import create_app
 from tests.asgi_server import serve, server_errors
 from tests.conftest import RedisServer
 from tidegate import keys
-from tidegate.event_log import add_event
+from tidegate.events.event_log import add_event
 from tidegate.jobstore import enqueue
 from tidegate.protocol import DoneEvent, JobRequest, StartedEvent, Timings, TokenEvent, Usage
 from tidegate.settings import Settings

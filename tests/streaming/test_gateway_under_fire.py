@@ -29,7 +29,7 @@ from tests.streaming.test_gateway import (
     token,
 )
 from tests.streaming.test_gateway_at_scale import big_token
-from tidegate.event_log import add_event
+from tidegate.events.event_log import add_event
 from tidegate.jobstore import enqueue
 from tidegate.protocol import JobRequest
 from tidegate.settings import Settings
@@ -249,7 +249,7 @@ async def test_a_cut_client_that_never_reads_again_is_dropped_after_the_grace(
     """Cut while its write buffer is full (its queue overflowed), the close frame cannot even
     be written: after the grace the connection is aborted. Before, the closing transport
     waited for that buffer to drain, which never happens: the socket stayed open for good."""
-    monkeypatch.setattr("tidegate.ws_relay.LAGGING_CLOSE_GRACE_S", 1.0)
+    monkeypatch.setattr("tidegate.events.ws_relay.LAGGING_CLOSE_GRACE_S", 1.0)
     # Only the queue cuts here: it overflows once the sender waits for a full write buffer.
     app = create_app(Settings(redis_url=redis_server.url, watcher_queue_size=8,
                               watcher_backlog_bytes=1 << 30))

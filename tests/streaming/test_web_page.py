@@ -23,7 +23,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
 from tests.stack_process import tidegate_up
-from tidegate.launcher import combined_app
+from tidegate.commands.launcher import combined_app
 from tidegate.settings import Settings
 
 CHROMIUM = "/usr/bin/chromium"

@@ -8,7 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from tidegate import keys
-from tidegate.event_log import EventBatch, EventLog
+from tidegate.events.event_log import EventBatch, EventLog
 from tidegate.jobstore import JOB_FIELD, enqueue
 from tidegate.protocol import JobRequest
 

@@ -17,7 +17,7 @@ import pytest
 from uvicorn.logging import AccessFormatter, DefaultFormatter
 from websockets.frames import Frame, Opcode
 
-from tidegate.auth import Auth, new_stream_token, tenant_of, token_hash
+from tidegate.http.auth import Auth, new_stream_token, tenant_of, token_hash
 from tidegate.log_redactor import REDACTED, REDACTOR
 
 KEY = "tg-alpha-3f9c1e7a5b2d4f6081a9c3e5"

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from tidegate.model_source import resolve_model
+from tidegate.model_files.model_source import resolve_model
 from worker.models.llama import CausalAttention, LlamaModel
 
 CHAT_PROMPTS = (

@@ -18,8 +18,8 @@ import torch
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
-from tidegate.byte_level_bpe import bytes_to_unicode
-from tidegate.tokenizer import byte_level_tokenizer
+from tidegate.model_files.byte_level_bpe import bytes_to_unicode
+from tidegate.model_files.tokenizer import byte_level_tokenizer
 
 VOCAB = 260  # the byte-level tokenizer's 256 bytes + 4 specials
 SPECIALS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")

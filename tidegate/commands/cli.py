@@ -48,7 +48,7 @@ def _settings(args: argparse.Namespace):  # -> Settings
 
 def _check_keys_file(path: str | None) -> None:
     """A keys file that cannot be read or has a malformed line: a message, not a traceback."""
-    from tidegate.key_file import KeyFileError, read_key_file
+    from tidegate.http.key_file import KeyFileError, read_key_file
 
     if path is None:
         return
@@ -61,7 +61,7 @@ def _check_keys_file(path: str | None) -> None:
 
 
 def _check_model(spec: str) -> None:
-    from tidegate.model_source import ModelLoadError, resolve_model
+    from tidegate.model_files.model_source import ModelLoadError, resolve_model
 
     try:
         resolve_model(spec)
@@ -73,9 +73,9 @@ def _check_model(spec: str) -> None:
 # compressing each one for each of thousands of watchers would cost the fan-out most of its CPU.
 UVICORN_OPTIONS: dict[str, object] = {
     # The sans-I/O websockets protocol plus tidegate's frame-writing extension (ws_protocol).
-    "ws": "tidegate.ws_protocol:TidegateWebSocketProtocol",
+    "ws": "tidegate.http.ws_protocol:TidegateWebSocketProtocol",
     # httptools with bounds on the request head, refused as JSON 414/431 (http_protocol).
-    "http": "tidegate.http_protocol:TidegateHttpProtocol",
+    "http": "tidegate.http.http_protocol:TidegateHttpProtocol",
     "ws_per_message_deflate": False, "backlog": 4096,
 }
 
@@ -89,7 +89,7 @@ def _serve_asgi(app, settings, *, access_log: bool = True) -> int:  # noqa: ANN0
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from tidegate.launcher import run_up
+    from tidegate.commands.launcher import run_up
 
     settings = _settings(args)
     _check_keys_file(settings.api_keys_file)
@@ -113,7 +113,7 @@ def _check_device(device: str) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from worker.service import serve
+    from worker.service.service import serve
 
     settings = _settings(args)
     _check_model(settings.model)
@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_queue_stats(args: argparse.Namespace) -> int:
     from redis.exceptions import RedisError
 
-    from tidegate.queue_stats import queue_stats
+    from tidegate.operations.queue_stats import queue_stats
     from tidegate.redis_conn import connect
 
     settings = _settings(args)
@@ -361,7 +361,7 @@ def _batch_id(raw: str) -> str:
 def cmd_batch(args: argparse.Namespace) -> int:
     from redis.exceptions import RedisError
 
-    from producer import batch
+    from producer.batches import batch
 
     settings, redis = _batch_redis(args)
 
@@ -435,8 +435,8 @@ def _progress(state, end: str = "\n") -> None:  # noqa: ANN001
 def cmd_batch_worker(args: argparse.Namespace) -> int:
     from redis.exceptions import RedisError
 
-    from producer.batch_worker import make_worker, redis_check
-    from tidegate.status_server import StatusServer
+    from producer.batches.batch_worker import make_worker, redis_check
+    from tidegate.operations.status_server import StatusServer
 
     settings = _settings(args)
     status = None

@@ -100,8 +100,8 @@ def combined_app(settings: Settings):  # -> Starlette
     from producer.openapi_paths import producer_docs
     from streaming.gateway import Gateway
     from streaming.openapi_paths import gateway_docs
-    from tidegate.auth import Auth
-    from tidegate.openapi import openapi_route
+    from tidegate.http.auth import Auth
+    from tidegate.http.openapi import openapi_route
 
     auth = Auth.from_settings(settings)  # one, so "auth is off" is said once
     api, gateway = ProducerAPI(settings, auth=auth), Gateway(settings, auth=auth)
@@ -138,7 +138,7 @@ def _spawn_worker(settings: Settings) -> subprocess.Popen:
     env["TIDEGATE_MAX_NUM_BATCHED_TOKENS"] = str(settings.max_num_batched_tokens)
     if settings.kv_cache_gb is not None:
         env["TIDEGATE_KV_CACHE_GB"] = str(settings.kv_cache_gb)
-    return subprocess.Popen([sys.executable, "-m", "tidegate.cli", "worker"], env=env)
+    return subprocess.Popen([sys.executable, "-m", "tidegate", "worker"], env=env)
 
 
 def _spawn_batch_worker(settings: Settings) -> subprocess.Popen | None:
@@ -154,7 +154,7 @@ def _spawn_batch_worker(settings: Settings) -> subprocess.Popen | None:
         client.close()
     env = dict(os.environ)
     env["TIDEGATE_REDIS_URL"] = settings.redis_url
-    return subprocess.Popen([sys.executable, "-m", "tidegate.cli", "batch-worker",
+    return subprocess.Popen([sys.executable, "-m", "tidegate", "batch-worker",
                              "--log-level", "WARNING"], env=env)
 
 
@@ -174,7 +174,7 @@ async def _wait_for_worker(settings: Settings, proc: subprocess.Popen) -> bool:
 async def _serve(settings: Settings) -> int:
     import uvicorn
 
-    from tidegate.cli import UVICORN_OPTIONS
+    from tidegate.commands.cli import UVICORN_OPTIONS
 
     class UpServer(uvicorn.Server):
         """uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down, which would kill

@@ -1,9 +1,9 @@
 """Read one job's events: what is stored, and replay-then-live through an ``EventHub``.
 
 Workers store every event in the job's event stream before they publish it
-(``tidegate.event_log``), so the stream is always a superset of what was published. A follower
+(``tidegate.events.event_log``), so the stream is always a superset of what was published. A follower
 subscribes first, replays the stream, then takes live events, dropping ids it has already sent
-and refilling from the stream when a live id skips ahead (``tidegate.event_hub``).
+and refilling from the stream when a live id skips ahead (``tidegate.events.event_hub``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from tidegate import keys
-from tidegate.event_log import EVENT_FIELD, entry_id
+from tidegate.events.event_log import EVENT_FIELD, entry_id
 from tidegate.protocol import FINAL_EVENT_TYPES
 
 
@@ -52,7 +52,7 @@ async def follow(
     A private hub (one pub/sub connection) for one follower: scripts, tests, tools. Servers
     follow through their process's shared ``EventHub`` instead.
     """
-    from tidegate.event_hub import EventHub
+    from tidegate.events.event_hub import EventHub
 
     hub = EventHub(redis, poll_s=poll_s)
     await hub.start()

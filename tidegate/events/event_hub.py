@@ -2,7 +2,7 @@
 
 A gateway (or API) process holds one ``EventHub``. Live events travel on a few shared channels
 (``keys.live_channel``, one message per channel per worker write, a line per event:
-``tidegate.event_log``); the first watcher of a job whose channel is not subscribed yet
+``tidegate.events.event_log``); the first watcher of a job whose channel is not subscribed yet
 subscribes the hub's single pub/sub connection to it, and the last watcher of that channel's
 jobs unsubscribes it. One reader task takes every message off that connection, routes each line
 by its job id (without parsing the event) and offers the event to the job's watchers, each of
@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
-from tidegate.event_feed import FeedEvent, stored_events
+from tidegate.events.event_feed import FeedEvent, stored_events
 
 log = logging.getLogger("tidegate.hub")
 

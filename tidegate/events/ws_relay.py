@@ -34,8 +34,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from tidegate import untrusted_json
 from tidegate.cancelling import cancel_and_wait
-from tidegate.event_hub import EventHub, Lagging, Watch
-from tidegate.ws_protocol import frame_writer, text_frame
+from tidegate.events.event_hub import EventHub, Lagging, Watch
+from tidegate.http.ws_protocol import frame_writer, text_frame
 
 CLOSE_DONE = 1000
 CLOSE_GOING_AWAY = 1001

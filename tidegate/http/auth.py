@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from tidegate import keys
-from tidegate.key_file import KeyLimits, read_key_file
+from tidegate.http.key_file import KeyLimits, read_key_file
 from tidegate.log_redactor import REDACTOR
 from tidegate.settings import Settings
 
@@ -113,7 +113,7 @@ class Auth:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Auth:
-        """Keys from ``api_keys`` and ``api_keys_file`` (``tidegate.key_file``: one a line,
+        """Keys from ``api_keys`` and ``api_keys_file`` (``tidegate.http.key_file``: one a line,
         ``#`` comments, optional per-key limits; a key's later line wins)."""
         api_keys = list(settings.api_keys)
         limits: dict[str, KeyLimits] = {}

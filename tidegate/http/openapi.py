@@ -131,7 +131,7 @@ KEY_ONLY: list[dict[str, list[str]]] = [{BEARER: []}]
 KEY_OR_TOKEN: list[dict[str, list[str]]] = [{BEARER: []}, {STREAM_TOKEN: []}]
 
 
-# The per-tenant rate-limit headers (``producer.rate_limit``), on submits when limits are set.
+# The per-tenant rate-limit headers (``producer.submit.rate_limit``), on submits when limits are set.
 _RATE_HEADER_NAMES = {
     "x-ratelimit-limit-requests": ("integer", "requests the key may make per second (burst)"),
     "x-ratelimit-remaining-requests": ("integer", "requests left in the bucket now"),
@@ -165,7 +165,7 @@ def json_response(description: str, schema: Mapping[str, Any]) -> dict[str, Any]
 
 
 def operator_operations(docs: OpenAPIDocs) -> None:
-    """``/healthz``, ``/readyz``, ``/metrics`` (``tidegate.operator_routes``): no key."""
+    """``/healthz``, ``/readyz``, ``/metrics`` (``tidegate.operations.operator_routes``): no key."""
     ready = {"type": "object", "properties": {"ready": {"type": "boolean"},
                                               "reason": {"type": "string"}}}
     docs.add("/healthz", "get", {

@@ -14,7 +14,7 @@ transport's write buffer plus the kernel's send queue (where a client that stops
 up hundreds of kB before the transport notices), and ``abort()`` drops a connection at once.
 
 Only offered when the connection negotiated no extension (no permessage-deflate), since
-a raw frame would bypass compression. ``UVICORN_OPTIONS`` in ``tidegate.cli`` selects this
+a raw frame would bypass compression. ``UVICORN_OPTIONS`` in ``tidegate.commands.cli`` selects this
 protocol for every server tidegate runs.
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import HeaderLineTooLong, RequestLineTooLong, TooManyHeaders
 
-from tidegate.http_protocol import error_response
+from tidegate.http.http_protocol import error_response
 
 FRAMES_EXTENSION = "tidegate.websocket.frames"
 _SIOCOUTQ = 0x5411  # Linux: bytes in a socket's send queue (the same number as TIOCOUTQ)

@@ -3,7 +3,7 @@
 ``gguf.GGUFReader`` builds a numpy view for every part of every field, which takes seconds on a
 49k-token vocabulary; the HTTP API reads the tokenizer from here at start-up, so this reader walks
 the header once with ``struct`` and stops before the tensor data. The worker turns the tensor
-positions into arrays itself (``worker/loader_gguf.py``).
+positions into arrays itself (``worker/models/loaders/gguf_weights.py``).
 """
 
 from __future__ import annotations

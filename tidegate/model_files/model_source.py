@@ -1,8 +1,8 @@
 """Which model a spec names: the bundled SmolLM2 GGUF, a GGUF file, a Hugging Face directory or a
 random-weight preset, checked cheaply (no torch) so the API and the CLI can refuse a bad spec early.
 
-The worker turns a ``ModelSource`` into weights (``worker/loader.py``); the API only needs its
-tokenizer (``tidegate/tokenizer.py``) and context length, both of which this module keeps cheap.
+The worker turns a ``ModelSource`` into weights (``worker/models/loaders/loader.py``); the API only needs its
+tokenizer (``tidegate/model_files/tokenizer.py``) and context length, both of which this module keeps cheap.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tidegate.gguf_file import GGUFFormatError, GGUFHeader, read_gguf_header
+from tidegate.model_files.gguf_file import GGUFFormatError, GGUFHeader, read_gguf_header
 
 DEFAULT_MODEL = "smollm2"
 RANDOM_PREFIX = "random:"

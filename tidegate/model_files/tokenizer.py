@@ -15,9 +15,14 @@ from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
-from tidegate.byte_level_bpe import byte_backend, gguf_backend
-from tidegate.chat_template import CHATML_TEMPLATE, ChatTemplate
-from tidegate.model_source import ModelLoadError, ModelSource, context_length, gguf_header
+from tidegate.model_files.byte_level_bpe import byte_backend, gguf_backend
+from tidegate.model_files.chat_template import CHATML_TEMPLATE, ChatTemplate
+from tidegate.model_files.model_source import (
+    ModelLoadError,
+    ModelSource,
+    context_length,
+    gguf_header,
+)
 from tidegate.protocol import ChatMessage
 
 # Specials of the byte-level tokenizer of random-weight models, after the 256 byte tokens.

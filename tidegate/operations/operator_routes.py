@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 from starlette.responses import JSONResponse, Response
 
-from tidegate.queue_stats import queue_stats
+from tidegate.operations.queue_stats import queue_stats
 
 LANE_LABELS = ("lane", "partition")
 # A probe or scrape must answer promptly even while the client's retries wait out an outage.

@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tidegate.model_files.tokenizer import Tokenizer
 from tidegate.protocol import FinishReason, SamplingParams
-from tidegate.tokenizer import Tokenizer
-from worker.block_manager import BlockManager
-from worker.detokenizer import IncrementalDetokenizer
-from worker.kv_cache import KVCacheSpec, plan_kv_cache
-from worker.model_runner import ModelRunner
+from worker.engine.block_manager import BlockManager
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.kv_cache import KVCacheSpec, plan_kv_cache
+from worker.engine.model_runner import ModelRunner
+from worker.engine.sampler import SamplerLaunch, TokenLogprobs, is_penalised
+from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from worker.engine.sequence import SeqStatus, Sequence
 from worker.models.llama import LlamaModel
-from worker.sampler import SamplerLaunch, TokenLogprobs, is_penalised
-from worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from worker.sequence import SeqStatus, Sequence
 
 log = logging.getLogger("tidegate.engine")
 

@@ -16,10 +16,10 @@ import torch
 from kernels import ops
 from kernels.native_cpu import native_kernels
 from kernels.paged_attention import PagedAttentionMetadata, upload
-from worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from worker.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from worker.engine.sampler import Sampler, SamplerLaunch, SamplerOutput
+from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 from worker.models.llama import LlamaModel
-from worker.sampler import Sampler, SamplerLaunch, SamplerOutput
-from worker.scheduler import ScheduledChunk, SchedulerOutput
 
 
 def slot_of(table: list[int], position: int, block_size: int) -> int:
@@ -72,7 +72,7 @@ class ModelRunner:
             native_kernels()
         self.graphs = None
         if cuda_graph_max_batch > 0 and self.device.type == "cuda":
-            from worker.cuda_graphs import CudaGraphDecoder
+            from worker.engine.cuda_graphs import CudaGraphDecoder
 
             self.graphs = CudaGraphDecoder(
                 model, self.kv_cache, block_size=self.block_size, max_batch=cuda_graph_max_batch,

@@ -32,7 +32,7 @@ GREEDY_BELOW = 1e-5
 
 
 class SamplingRow(Protocol):
-    """What the sampler reads from a request; ``worker.sequence.Sequence`` satisfies it."""
+    """What the sampler reads from a request; ``worker.engine.sequence.Sequence`` satisfies it."""
 
     request_id: str
     params: SamplingParams

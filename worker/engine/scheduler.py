@@ -14,8 +14,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from worker.block_manager import BlockManager
-from worker.sequence import SeqStatus, Sequence
+from worker.engine.block_manager import BlockManager
+from worker.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True, slots=True)

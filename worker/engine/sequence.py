@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from tidegate.protocol import FinishReason, SamplingParams
-from worker.detokenizer import IncrementalDetokenizer
+from worker.engine.detokenizer import IncrementalDetokenizer
 
 LANE_RANK = {"interactive": 0, "batch": 1}
 

@@ -1,1 +1,1 @@
-"""Model definitions (plain torch) the engine runs."""
+"""Model definitions (plain torch) the engine runs, and their loaders (``loaders``)."""

@@ -22,15 +22,15 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from tidegate import keys
-from tidegate.event_feed import stored_events
-from tidegate.event_log import last_event_id
+from tidegate.events.event_feed import stored_events
+from tidegate.events.event_log import last_event_id
 from tidegate.jobstore import Claim, claim_many
 from tidegate.protocol import Job, now_ms
-from worker.engine import Engine
-from worker.intake import Delivery, StreamIntake
-from worker.load_shedder import Estimate, Load, LoadShedder
-from worker.migration import Resume, resume_point
-from worker.publisher import EventPublisher
+from worker.engine.engine import Engine
+from worker.service.intake import Delivery, StreamIntake
+from worker.service.migration import Resume, resume_point
+from worker.service.publisher import EventPublisher
+from worker.shedding.load_shedder import Estimate, Load, LoadShedder
 
 log = logging.getLogger("tidegate.worker")
 

@@ -3,7 +3,7 @@ whatever accumulated into one ``EventBatch`` and writes it while the engine comp
 step.
 
 The main loop only records (``record``: a few list appends per token); the writer takes a
-snapshot, assigns event ids, encodes the events and writes them with ``tidegate.event_log``
+snapshot, assigns event ids, encodes the events and writes them with ``tidegate.events.event_log``
 (one script call: events stored, results stored, events published, finished jobs acked). While
 one write is in flight the next steps' outputs accumulate, so under load a job's tokens of
 several steps leave as one ``token`` event. ``interval_s`` sets a minimum time between writes,
@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
-from tidegate.event_log import EventBatch, EventLog, Written
+from tidegate.events.event_log import EventBatch, EventLog, Written
 from tidegate.protocol import (
     DoneEvent,
     ErrorEvent,
@@ -47,10 +47,10 @@ from tidegate.protocol import (
     token_event_json,
 )
 from tidegate.retention import Retention
-from worker.engine import RequestOutput
-from worker.intake import Delivery
-from worker.metrics import OUTCOMES, WorkerMetrics, outcome_of_finish
-from worker.sampler import TokenLogprobs
+from worker.engine.engine import RequestOutput
+from worker.engine.sampler import TokenLogprobs
+from worker.service.intake import Delivery
+from worker.service.metrics import OUTCOMES, WorkerMetrics, outcome_of_finish
 
 log = logging.getLogger("tidegate.worker")
 

@@ -11,12 +11,12 @@ the cancel listener, heartbeats and visibility refreshes.
 * Deadlines: an expired job is never started (``rejected: deadline_exceeded``); a running job
   that reaches its deadline stops with ``finish_reason: deadline``, keeping its text.
 * Load shedding: a job this worker cannot finish in time is rejected at once
-  (``rejected: cannot_meet_deadline``, ``worker.load_shedder``).
-* Cancellation: pushed by the API (``worker.cancel_listener``), applied at the next step.
+  (``rejected: cannot_meet_deadline``, ``worker.shedding.load_shedder``).
+* Cancellation: pushed by the API (``worker.service.cancel_listener``), applied at the next step.
 * At-least-once: a job is acked in the same script that stores its result. The worker
   refreshes its in-flight entries; entries other workers left idle past the visibility timeout
   are reclaimed and continue from the last stored token after a ``migrated`` event
-  (``worker.migration``; ``restarted`` and a run from the start where that is impossible).
+  (``worker.service.migration``; ``restarted`` and a run from the start where that is impossible).
   A job whose workers die ``max_deliveries`` times in a row before storing a token goes to the
   dead-letter stream; deliveries that made progress don't count.
 * Redis outage: the writer retries its batch unchanged and the engine pauses until it lands.
@@ -45,16 +45,12 @@ from redis.exceptions import RedisError
 
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
+from tidegate.operations.status_server import StatusServer
 from tidegate.protocol import now_ms
 from tidegate.redis_conn import connect
 from tidegate.retention import Retention
 from tidegate.settings import Settings
-from tidegate.status_server import StatusServer
-from worker.arrivals import IDLE_BLOCK_MS, Arrival, ArrivalIntake
-from worker.calibration import calibrate, timed_step
-from worker.cancel_listener import CancelListener
-from worker.cpu_tuning import keep_large_allocations
-from worker.engine import (
+from worker.engine.engine import (
     Engine,
     EngineConfig,
     EngineRequest,
@@ -62,11 +58,15 @@ from worker.engine import (
     RequestOutput,
     ResumeError,
 )
-from worker.intake import Delivery, StreamIntake
-from worker.load_shedder import Commitments, Load, LoadShedder, ShedderConfig
-from worker.metrics import WorkerMetrics
-from worker.migration import job_seed
-from worker.publisher import ActiveJob, EventPublisher
+from worker.service.arrivals import IDLE_BLOCK_MS, Arrival, ArrivalIntake
+from worker.service.cancel_listener import CancelListener
+from worker.service.cpu_tuning import keep_large_allocations
+from worker.service.intake import Delivery, StreamIntake
+from worker.service.metrics import WorkerMetrics
+from worker.service.migration import job_seed
+from worker.service.publisher import ActiveJob, EventPublisher
+from worker.shedding.calibration import calibrate, timed_step
+from worker.shedding.load_shedder import Commitments, Load, LoadShedder, ShedderConfig
 
 log = logging.getLogger("tidegate.worker")
 
@@ -415,7 +415,7 @@ class WorkerService:
                 every_s = KEEPALIVE_RETRY_S
 
     async def _heartbeat(self) -> None:
-        """Keep the worker's key alive, holding its load for ``tidegate.queue_stats``."""
+        """Keep the worker's key alive, holding its load for ``tidegate.operations.queue_stats``."""
         key = keys.worker_heartbeat(self.worker_id)
         stats = self.engine.stats
         last_t, last_tokens = time.monotonic(), stats.decode_tokens
@@ -434,7 +434,7 @@ class WorkerService:
 
 def build_engine(settings: Settings) -> Engine:
     """The model and the engine a worker with these settings runs (benchmarks build the same)."""
-    from worker.loader import load_model
+    from worker.models.loaders.loader import load_model
 
     keep_large_allocations()
     if settings.torch_threads:

@@ -11,8 +11,8 @@ import logging
 import time
 
 from tidegate.protocol import SamplingParams
-from worker.engine import Engine, EngineRequest, RequestOutput
-from worker.load_shedder import LoadShedder
+from worker.engine.engine import Engine, EngineRequest, RequestOutput
+from worker.shedding.load_shedder import LoadShedder
 
 log = logging.getLogger("tidegate.worker")
 

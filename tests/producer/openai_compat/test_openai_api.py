@@ -14,11 +14,11 @@ import pytest
 import redis.asyncio as aioredis
 from openai import AsyncOpenAI, OpenAI
 
-from producer.admission import Admission
+from producer.submit.admission import Admission
 from tests.conftest import RedisServer
 from tests.producer.conftest import MODEL, serve_stack
 from tidegate import keys
-from tidegate.event_log import add_event
+from tidegate.events.event_log import add_event
 from tidegate.jobstore import JOB_FIELD, set_status
 from tidegate.protocol import (
     DoneEvent,

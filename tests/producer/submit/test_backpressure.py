@@ -12,9 +12,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from producer import Client
-from producer.admission import Admission
-from producer.backlog import CACHE_S, LaneBacklog, LaneFull
 from producer.errors import QueueFull
+from producer.submit.admission import Admission
+from producer.submit.backlog import CACHE_S, LaneBacklog, LaneFull
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tidegate import keys

@@ -12,9 +12,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from producer import Client
-from producer.admission import Admission
 from producer.api import ProducerAPI
-from producer.idempotency import STALE_CLAIM_MS, Claim
+from producer.submit.admission import Admission
+from producer.submit.idempotency import STALE_CLAIM_MS, Claim
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tidegate import keys
@@ -122,7 +122,7 @@ async def test_without_a_key_every_submit_is_a_new_job(
 
 async def test_a_claim_whose_job_never_appeared_is_reclaimed(
         http: httpx.AsyncClient, aredis: aioredis.Redis) -> None:
-    from tidegate.auth import tenant_of
+    from tidegate.http.auth import tenant_of
 
     # What an API process that died between claiming the key and enqueueing leaves behind.
     orphan = Claim(job_id="0123456789abcdef", stream_token="t",
@@ -136,7 +136,7 @@ async def test_a_claim_whose_job_never_appeared_is_reclaimed(
 
 async def test_the_claim_expires_with_the_idempotency_ttl(
         http: httpx.AsyncClient, aredis: aioredis.Redis) -> None:
-    from tidegate.auth import tenant_of
+    from tidegate.http.auth import tenant_of
 
     await submit(http, "order-ttl")
     ttl_s = await aredis.ttl(keys.idempotency(tenant_of(KEY_A), "order-ttl"))

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from producer.rate_limit import RateLimited, RateLimiter, RateState, TenantLimits, duration
+from producer.submit.rate_limit import RateLimited, RateLimiter, RateState, TenantLimits, duration
 from tidegate import keys
-from tidegate.key_file import UNLIMITED, KeyLimits
+from tidegate.http.key_file import UNLIMITED, KeyLimits
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -21,14 +21,14 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from producer import Client
-from producer.admission import Admission
 from producer.errors import QueueFull, RateLimitExceeded
-from producer.rate_limit import duration
+from producer.submit.admission import Admission
+from producer.submit.rate_limit import duration
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
-from tests.producer.test_openai_api import ScriptedWorker
+from tests.producer.openai_compat.test_openai_api import ScriptedWorker
 from tidegate import keys
-from tidegate.auth import tenant_of
+from tidegate.http.auth import tenant_of
 from tidegate.protocol import JobRequest
 
 pytestmark = pytest.mark.timeout(30)

@@ -14,14 +14,14 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from producer.admission import INLINE_PROMPT_CHARS, Admission
 from producer.api import Batched, ProducerAPI
-from producer.refusal import Refusal
+from producer.submit.admission import INLINE_PROMPT_CHARS, Admission
+from producer.submit.refusal import Refusal
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
 from tests.producer.conftest import MODEL
 from tidegate import keys
-from tidegate.cli import build_parser
+from tidegate.commands.cli import build_parser
 from tidegate.jobstore import enqueue
 from tidegate.protocol import ChatMessage, Job, JobRequest
 from tidegate.settings import Settings
@@ -250,7 +250,7 @@ def test_a_claim_is_stored_as_it_always_was() -> None:
     """Claims written before this change must still read back, and twins compare values."""
     from dataclasses import asdict
 
-    from producer.idempotency import Claim
+    from producer.submit.idempotency import Claim
 
     claim = Claim(job_id="j" * 32, stream_token="t-_" * 10, created_ms=1796126161822)
     assert claim.encode() == json.dumps(asdict(claim), sort_keys=True)

@@ -25,7 +25,7 @@ def test_up_without_redis_server_uses_embedded_fakeredis_and_answers(tmp_path: P
     env.pop("REDIS_URL", None)
     env.pop("TIDEGATE_REDIS_URL", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tidegate.cli", "up", "--port", str(port), "--model", "random:tiny"],
+        [sys.executable, "-m", "tidegate", "up", "--port", str(port), "--model", "random:tiny"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     assert proc.stdout is not None
@@ -40,7 +40,7 @@ def test_up_without_redis_server_uses_embedded_fakeredis_and_answers(tmp_path: P
         threading.Thread(target=proc.stdout.read, daemon=True).start()
         assert any("fakeredis" in line for line in seen), "".join(seen)
         out = subprocess.run(
-            [sys.executable, "-m", "tidegate.cli", "submit", "hello", "--raw", "--max-tokens", "5",
+            [sys.executable, "-m", "tidegate", "submit", "hello", "--raw", "--max-tokens", "5",
              "--stream", "--url", f"http://127.0.0.1:{port}"],
             capture_output=True, text=True, timeout=60, env=env,
         )

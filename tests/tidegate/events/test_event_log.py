@@ -9,8 +9,8 @@ import asyncio
 import redis.asyncio as aioredis
 
 from tidegate import keys
-from tidegate.event_feed import stored_events
-from tidegate.event_log import EventBatch, EventLog, last_event_id, parse_live
+from tidegate.events.event_feed import stored_events
+from tidegate.events.event_log import EventBatch, EventLog, last_event_id, parse_live
 from tidegate.protocol import token_event_json
 
 

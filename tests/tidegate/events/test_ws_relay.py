@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidegate.ws_relay import MAX_CLOSE_REASON_BYTES, close_reason
+from tidegate.events.ws_relay import MAX_CLOSE_REASON_BYTES, close_reason
 
 
 @pytest.mark.parametrize("reason", [

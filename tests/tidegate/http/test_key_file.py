@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from producer.rate_limit import RateLimiter, TenantLimits
-from tidegate.auth import Auth, tenant_of
-from tidegate.key_file import UNLIMITED, KeyEntry, KeyFileError, KeyLimits, parse_key_lines
+from producer.submit.rate_limit import RateLimiter, TenantLimits
+from tidegate.http.auth import Auth, tenant_of
+from tidegate.http.key_file import UNLIMITED, KeyEntry, KeyFileError, KeyLimits, parse_key_lines
 from tidegate.settings import Settings
 
 
@@ -78,7 +78,7 @@ def test_the_default_limits_come_from_the_environment(monkeypatch: pytest.Monkey
 def test_a_bad_keys_file_stops_the_servers_with_a_message_and_exit_2(
         command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from tidegate.cli import main
+    from tidegate.commands.cli import main
 
     path = tmp_path / "keys.txt"
     path.write_text("sk-secret-1 requests_per_s=fast\n")

@@ -12,11 +12,11 @@ from schemathesis.specs.openapi.definitions import OPENAPI_31
 from starlette.applications import Starlette
 from starlette.routing import Mount, Route, WebSocketRoute
 
-from producer.admission import Admission
 from producer.api import create_app as api_app
+from producer.submit.admission import Admission
 from streaming.gateway import create_app as gateway_app
-from tidegate.launcher import combined_app
-from tidegate.openapi import OpenAPIDocs, UndocumentedRoute, openapi_route
+from tidegate.commands.launcher import combined_app
+from tidegate.http.openapi import OpenAPIDocs, UndocumentedRoute, openapi_route
 from tidegate.settings import Settings
 
 SETTINGS = Settings(redis_url="redis://127.0.0.1:1/0", model="random:tiny")

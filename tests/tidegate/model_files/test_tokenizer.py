@@ -9,10 +9,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.worker.hf_oracle import hf_gguf_tokenizer
-from tidegate.chat_template import ChatTemplateError
-from tidegate.model_source import ModelSource, resolve_model
+from tidegate.model_files.chat_template import ChatTemplateError
+from tidegate.model_files.model_source import ModelSource, resolve_model
+from tidegate.model_files.tokenizer import Tokenizer, byte_level_tokenizer, load_tokenizer
 from tidegate.protocol import ChatMessage
-from tidegate.tokenizer import Tokenizer, byte_level_tokenizer, load_tokenizer
 
 TEXTS = [
     "Hello, world!",

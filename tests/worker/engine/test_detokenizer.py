@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.detokenizer import IncrementalDetokenizer
+from worker.engine.detokenizer import IncrementalDetokenizer
 
 
 class ByteDecoder:

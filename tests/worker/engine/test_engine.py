@@ -8,8 +8,8 @@ import torch
 
 from tests.worker.hf_oracle import causal_greedy, hf_greedy
 from tidegate.protocol import SamplingParams
-from worker.engine import Engine, EngineConfig, EngineRequest, RequestError, RequestOutput
-from worker.loader import LoadedModel, load_model
+from worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestError, RequestOutput
+from worker.models.loaders.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.worker.test_engine import chat_ids, smollm2  # noqa: F401 - fixture
+from tests.worker.engine.test_engine import chat_ids, smollm2  # noqa: F401 - fixture
 from tidegate.protocol import SamplingParams
-from worker.engine import Engine, EngineConfig, EngineRequest, RequestOutput
-from worker.loader import LoadedModel
+from worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from worker.models.loaders.loader import LoadedModel
 
 pytestmark = pytest.mark.slow
 

@@ -11,13 +11,13 @@ import itertools
 
 import pytest
 
-from tests.worker.test_engine import chat_ids, smollm2  # noqa: F401 - fixture
+from tests.worker.engine.test_engine import chat_ids, smollm2  # noqa: F401 - fixture
 from tidegate.protocol import SamplingParams
-from worker.engine import Engine, EngineConfig, EngineRequest, RequestOutput
-from worker.loader import LoadedModel
-from worker.model_runner import ModelRunner
-from worker.sampler import SamplerLaunch
-from worker.scheduler import SchedulerOutput
+from worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from worker.engine.model_runner import ModelRunner
+from worker.engine.sampler import SamplerLaunch
+from worker.engine.scheduler import SchedulerOutput
+from worker.models.loaders.loader import LoadedModel
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tidegate.protocol import SamplingParams
-from worker.engine import Engine, EngineConfig, EngineRequest, RequestOutput, ResumeError
-from worker.loader import LoadedModel, load_model
+from worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput, ResumeError
+from worker.models.loaders.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ import kernels.linear_triton as linear_triton
 import kernels.paged_attention_triton as attention_triton
 import kernels.rmsnorm_triton as rmsnorm_triton
 from tidegate.protocol import SamplingParams
-from worker.engine import Engine, EngineConfig, EngineRequest
-from worker.loader import load_model
+from worker.engine.engine import Engine, EngineConfig, EngineRequest
+from worker.models.loaders.loader import load_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

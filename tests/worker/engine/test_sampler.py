@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidegate.protocol import SamplingParams
-from worker.sampler import (
+from worker.engine.sampler import (
     Sampler,
     SamplerOutput,
     apply_min_p,

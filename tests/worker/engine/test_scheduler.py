@@ -7,10 +7,10 @@ from collections.abc import Sequence as Seq
 import pytest
 
 from tidegate.protocol import SamplingParams
-from worker.block_manager import BlockManager
-from worker.detokenizer import IncrementalDetokenizer
-from worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from worker.sequence import SeqStatus, Sequence
+from worker.engine.block_manager import BlockManager
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from worker.engine.sequence import SeqStatus, Sequence
 
 
 class ByteDecoder:

@@ -13,7 +13,7 @@ from tests.worker.hf_oracle import (
     hf_greedy,
     hf_logits,
 )
-from worker.loader import LoadedModel, load_model
+from worker.models.loaders.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,9 @@ from tests.worker.tiny_checkpoints import (
     write_gguf,
     write_hf_dir,
 )
-from tidegate.model_source import ModelLoadError, preset_config
-from worker.loader import load_model
-from worker.loader_gguf import unpermute_qk
+from tidegate.model_files.model_source import ModelLoadError, preset_config
+from worker.models.loaders.gguf_weights import unpermute_qk
+from worker.models.loaders.loader import load_model
 
 # A sequence longer than the llama3 variant's original context (32), so scaled bands matter.
 IDS = [256, *range(40, 120, 2), 97, 98, 99, 10, 32, 200, 255, 3, 4]

@@ -13,14 +13,14 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import RedisServer
-from tests.worker.test_service import collect, submit, tiny  # noqa: F401 - fixture
+from tests.worker.service.test_service import collect, submit, tiny  # noqa: F401 - fixture
 from tidegate import keys
 from tidegate.jobstore import JOB_FIELD, read_result
-from tidegate.status_server import StatusServer
-from worker.engine import Engine, EngineConfig
-from worker.loader import LoadedModel
-from worker.metrics import OUTCOMES, WorkerMetrics
-from worker.service import WorkerService
+from tidegate.operations.status_server import StatusServer
+from worker.engine.engine import Engine, EngineConfig
+from worker.models.loaders.loader import LoadedModel
+from worker.service.metrics import OUTCOMES, WorkerMetrics
+from worker.service.service import WorkerService
 
 
 @pytest.fixture

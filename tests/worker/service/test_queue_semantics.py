@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from tests.conftest import RedisServer, free_port
 from tidegate import keys
-from tidegate.event_feed import follow, stored_events
+from tidegate.events.event_feed import follow, stored_events
 from tidegate.jobstore import enqueue, read_result, request_cancel
 from tidegate.protocol import JobRequest, now_ms
 
@@ -43,7 +43,7 @@ class Workers:
         # A worker's log goes to the test's output only when TIDEGATE_TEST_WORKER_LOG names a file.
         log = open(os.environ["TIDEGATE_TEST_WORKER_LOG"], "a") if os.environ.get(  # noqa: SIM115
             "TIDEGATE_TEST_WORKER_LOG") else subprocess.DEVNULL
-        proc = subprocess.Popen([sys.executable, "-m", "tidegate.cli", "worker"], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "tidegate", "worker"], env=env,
                                 stdout=log, stderr=log)
         self.procs.append(proc)
         return proc

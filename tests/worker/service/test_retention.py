@@ -10,13 +10,13 @@ import pytest
 import redis.asyncio as aioredis
 
 from tidegate import keys
-from tidegate.event_feed import follow
+from tidegate.events.event_feed import follow
 from tidegate.jobstore import enqueue, request_cancel
 from tidegate.protocol import JobRequest
 from tidegate.retention import Retention
-from worker.engine import Engine, EngineConfig
-from worker.loader import LoadedModel, load_model
-from worker.service import WorkerService
+from worker.engine.engine import Engine, EngineConfig
+from worker.models.loaders.loader import LoadedModel, load_model
+from worker.service.service import WorkerService
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,12 +10,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from tidegate import keys
-from tidegate.event_feed import follow
+from tidegate.events.event_feed import follow
 from tidegate.jobstore import JOB_FIELD, enqueue, read_result
 from tidegate.protocol import JobRequest
-from worker.engine import Engine, EngineConfig
-from worker.loader import LoadedModel, load_model
-from worker.service import WorkerService
+from worker.engine.engine import Engine, EngineConfig
+from worker.models.loaders.loader import LoadedModel, load_model
+from worker.service.service import WorkerService
 
 
 @pytest.fixture(scope="module")

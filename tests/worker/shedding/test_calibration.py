@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from worker.calibration import calibrate
-from worker.engine import Engine, EngineConfig
-from worker.load_shedder import LoadShedder
-from worker.loader import LoadedModel, load_model
-from worker.metrics import WorkerMetrics
+from worker.engine.engine import Engine, EngineConfig
+from worker.models.loaders.loader import LoadedModel, load_model
+from worker.service.metrics import WorkerMetrics
+from worker.shedding.calibration import calibrate
+from worker.shedding.load_shedder import LoadShedder
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.load_shedder import Load, LoadShedder, ShedderConfig
+from worker.shedding.load_shedder import Load, LoadShedder, ShedderConfig
 
 
 def trained() -> LoadShedder:

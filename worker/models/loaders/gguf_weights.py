@@ -20,8 +20,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kernels.rotary import Llama3Scaling, inv_frequencies
-from tidegate.gguf_file import GGUFHeader, GGUFTensorInfo
-from tidegate.model_source import ModelLoadError, gguf_header
+from tidegate.model_files.gguf_file import GGUFHeader, GGUFTensorInfo
+from tidegate.model_files.model_source import ModelLoadError, gguf_header
 from worker.models.llama import LlamaConfig
 
 _LAYER_NAMES = {

@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kernels.rotary import Llama3Scaling
-from tidegate.model_source import ModelLoadError, hf_config
+from tidegate.model_files.model_source import ModelLoadError, hf_config
 from worker.models.llama import LlamaConfig
 
 

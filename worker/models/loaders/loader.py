@@ -1,7 +1,7 @@
 """Turn a model spec into a ready ``LlamaModel`` with its config and tokenizer.
 
-The format-specific readers live beside this file (``loader_gguf``, ``loader_hf``,
-``loader_random``); each yields a ``LlamaConfig`` and, for real weights, a lazy mapping of
+The format-specific readers live beside this file (``gguf_weights``, ``hf_weights``,
+``random_weights``); each yields a ``LlamaConfig`` and, for real weights, a lazy mapping of
 HF-named tensors, so a checkpoint is copied into the model one tensor at a time and never held
 twice in memory.
 """
@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from kernels.rotary import cos_sin_cache
-from tidegate.model_source import ModelLoadError, ModelSource, resolve_model
-from tidegate.tokenizer import Tokenizer, load_tokenizer
-from worker.loader_gguf import GGUFWeights
-from worker.loader_hf import SafetensorsWeights
-from worker.loader_random import init_random_weights, preset_llama_config
+from tidegate.model_files.model_source import ModelLoadError, ModelSource, resolve_model
+from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
 from worker.models.llama import LlamaConfig, LlamaModel
+from worker.models.loaders.gguf_weights import GGUFWeights
+from worker.models.loaders.hf_weights import SafetensorsWeights
+from worker.models.loaders.random_weights import init_random_weights, preset_llama_config
 
 
 @dataclass

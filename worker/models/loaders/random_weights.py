@@ -7,14 +7,14 @@ import math
 import torch
 
 from kernels.rotary import Llama3Scaling
-from tidegate.model_source import preset_config
+from tidegate.model_files.model_source import preset_config
 from worker.models.llama import LlamaConfig, LlamaModel
 
 INIT_STD = 0.02
 
 
 def preset_llama_config(name: str) -> LlamaConfig:
-    """The ``LlamaConfig`` of a random preset (``tidegate.model_source.RANDOM_PRESETS``)."""
+    """The ``LlamaConfig`` of a random preset (``tidegate.model_files.model_source.RANDOM_PRESETS``)."""
     fields = preset_config(name)
     scaling = fields.pop("rope_scaling")
     return LlamaConfig(**fields, rope_scaling=Llama3Scaling(**scaling) if scaling else None)

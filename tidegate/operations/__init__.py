@@ -1,0 +1,4 @@
+"""What operators read: queue snapshots (``queue_stats``), the health and metrics routes
+every server shares (``operator_routes``) and the status server of processes without an HTTP
+API of their own (``status_server``).
+"""
