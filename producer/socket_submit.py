@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.exceptions import RedisError
 from starlette.routing import WebSocketRoute
@@ -29,6 +29,7 @@ from producer.errors import FieldError
 from producer.submit.backlog import LaneFull
 from producer.submit.idempotency import ClaimInProgress
 from producer.submit.refusal import Refusal, refusal_of
+from producer.submit.submit_path import SubmitPath
 from tidegate import keys
 from tidegate.events.ws_relay import (
     CLOSE_BAD_REQUEST,
@@ -41,9 +42,6 @@ from tidegate.events.ws_relay import (
 )
 from tidegate.http.auth import AuthError, job_access
 
-if TYPE_CHECKING:
-    from producer.api import ProducerAPI
-
 FIRST_FRAME_TIMEOUT_S = 30.0
 CLOSE_FOR_STATUS = {400: CLOSE_BAD_REQUEST, 401: 4401, 403: 4403, 404: 4404, 409: 4409,
                     413: CLOSE_BAD_REQUEST, 422: CLOSE_BAD_REQUEST, 429: 4429,
@@ -51,10 +49,10 @@ CLOSE_FOR_STATUS = {400: CLOSE_BAD_REQUEST, 401: 4401, 403: 4403, 404: 4404, 409
 
 
 class SocketSubmit:
-    """The ``/v1/stream`` route of a ``ProducerAPI``."""
+    """The ``/v1/stream`` route over a ``SubmitPath``."""
 
-    def __init__(self, api: ProducerAPI):
-        self.api = api
+    def __init__(self, path: SubmitPath):
+        self.path = path
         self.routes = [WebSocketRoute("/v1/stream", self.stream)]
 
     async def stream(self, ws: WebSocket) -> None:
@@ -76,7 +74,7 @@ class SocketSubmit:
         except (Refusal, AuthError, LaneFull, ClaimInProgress, RedisError) as exc:
             return await self._refuse(ws, refusal_of(exc))
         try:
-            await relay(ws, self.api.hub, job_id, after_id)
+            await relay(ws, self.path.hub, job_id, after_id)
         except RedisError:
             await close(ws, CLOSE_TRY_AGAIN, "the event store is unavailable")
 
@@ -90,8 +88,8 @@ class SocketSubmit:
             authorization = f"Bearer {api_key}"
         if frame["type"] == "generate":
             _only(frame, {"type", "request", "api_key"})
-            tenant = self.api.auth.tenant(authorization)
-            claim, status, _code = await self.api.accept(tenant, frame.get("request"))
+            tenant = self.path.auth.tenant(authorization)
+            claim, status, _code = await self.path.accept(tenant, frame.get("request"))
             await ws.send_text(json.dumps({"type": "accepted", "id": claim.job_id,
                                            "status": status,
                                            "stream_token": claim.stream_token}))
@@ -108,11 +106,11 @@ class SocketSubmit:
             if token is not None and not isinstance(token, str):
                 raise _invalid("token", "must be a string")
             if token is None:
-                self.api.auth.tenant(authorization)  # 401 before the job is looked up
-            access = await job_access(self.api.redis, job_id)
+                self.path.auth.tenant(authorization)  # 401 before the job is looked up
+            access = await job_access(self.path.redis, job_id)
             if access is None:
                 raise Refusal(404, "not_found", f"no job with id {job_id!r}")
-            self.api.auth.check_stream(access, authorization=authorization, token=token)
+            self.path.auth.check_stream(access, authorization=authorization, token=token)
             return job_id, after_id
         raise _invalid("type", f'must be "generate" or "resume", not {frame["type"]!r}')
 

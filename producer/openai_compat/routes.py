@@ -3,7 +3,7 @@
 
 A request is translated into a tidegate ``JobRequest`` (``producer.openai_compat.schema``), goes
 through the same auth, admission, backpressure and enqueue as ``POST /v1/jobs``
-(``ProducerAPI.submit_job``), and is answered from the job's events
+(``SubmitPath.submit_job``), and is answered from the job's events
 (``producer.openai_compat.answer``), as one JSON body or as server-sent events. Every error is in
 OpenAI's shape (``producer.openai_compat.errors``).
 """
@@ -20,13 +20,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
 
-from producer.api import ProducerAPI, Refusal, _read_json
 from producer.openai_compat.answer import Answer
 from producer.openai_compat.errors import OpenAIError, from_refusal, model_not_found
 from producer.openai_compat.format import ChatShape, CompletionShape, Shape, TokenSpeller
 from producer.openai_compat.schema import ChatCompletionRequest, CompletionRequest, parse_body
 from producer.submit.backlog import LaneFull
 from producer.submit.rate_limit import with_headers
+from producer.submit.refusal import Refusal
+from producer.submit.request_body import read_json
+from producer.submit.submit_path import SubmitPath
 from tidegate.http.auth import AuthError
 from tidegate.model_files.model_source import resolve_model
 
@@ -35,10 +37,10 @@ OWNED_BY = "tidegate"
 
 
 class OpenAIRoutes:
-    """The OpenAI routes of one ``ProducerAPI``, sharing its Redis client, auth and admission."""
+    """The OpenAI routes over a ``SubmitPath``: its Redis client, auth and admission."""
 
-    def __init__(self, api: ProducerAPI):
-        self.api = api
+    def __init__(self, path: SubmitPath):
+        self.path = path
         self.created = int(time.time())  # what /v1/models reports as the model's creation
         self.routes: list[BaseRoute] = [
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -50,19 +52,16 @@ class OpenAIRoutes:
     @cached_property
     def model_name(self) -> str:
         """The served model's name, as /v1/models lists it and answers carry it."""
-        return resolve_model(self.api.settings.model).name
+        return resolve_model(self.path.settings.model).name
 
     @cached_property
     def model_names(self) -> frozenset[str]:
         """Every name a request's ``model`` may give: the served name, its spec, ``tidegate``."""
-        return frozenset({self.model_name, self.api.settings.model, ALIAS})
+        return frozenset({self.model_name, self.path.settings.model, ALIAS})
 
     @cached_property
     def speller(self) -> TokenSpeller:
-        admission = self.api._admission  # loaded by ProducerAPI.start()
-        if admission is None:
-            raise RuntimeError("ProducerAPI.start() was not called")
-        return TokenSpeller(admission.tokenizer)
+        return TokenSpeller(self.path.admission.tokenizer)  # loaded by SubmitPath.start()
 
     async def completions(self, request: Request) -> Response | ASGIApp:
         """``POST /v1/completions``."""
@@ -106,8 +105,8 @@ class OpenAIRoutes:
             logprobs=body.wants_logprobs,
             include_usage=bool(body.stream) and body.include_usage)
         return with_headers(
-            Answer(self.api._connected(), self.api.hub, job_id, answer_shape, self.speller,
-                   stream=bool(body.stream), retry_after_s=self.api.settings.retry_after_s),
+            Answer(self.path.redis, self.path.hub, job_id, answer_shape, self.speller,
+                   stream=bool(body.stream), retry_after_s=self.path.settings.retry_after_s),
             rate_headers)
 
     async def _submit(self, body: CompletionRequest | ChatCompletionRequest, tenant: str,
@@ -116,7 +115,7 @@ class OpenAIRoutes:
         included: ``from_refusal`` keeps its headers); its id."""
         job_request = body.job_request()
         try:
-            job = await self.api.submit_job(job_request, tenant=tenant,
+            job = await self.path.submit_job(job_request, tenant=tenant,
                                             rate_headers=rate_headers)
         except Refusal as refusal:
             raise from_refusal(refusal.status, refusal.type, refusal.message, refusal.fields,
@@ -131,14 +130,14 @@ class OpenAIRoutes:
 
     async def _read_json(self, request: Request) -> Any:
         try:
-            return await _read_json(request)
+            return await read_json(request)
         except Refusal as refusal:
             raise from_refusal(refusal.status, refusal.type, refusal.message, refusal.fields,
                                refusal.headers) from refusal
 
     def _tenant(self, request: Request) -> str:
         try:
-            return self.api.auth.tenant(request.headers.get("authorization"))
+            return self.path.auth.tenant(request.headers.get("authorization"))
         except AuthError as exc:
             raise OpenAIError(exc.status, str(exc), code=exc.type, headers=exc.headers) from exc
 

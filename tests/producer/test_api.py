@@ -10,8 +10,9 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from producer.api import MAX_BODY_BYTES, create_app
+from producer.api import create_app
 from producer.submit.admission import Admission
+from producer.submit.request_body import MAX_BODY_BYTES
 from tests.asgi_server import serve
 from tests.conftest import free_port
 from tests.producer.conftest import MODEL

@@ -12,9 +12,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from producer import Client
-from producer.api import ProducerAPI
 from producer.submit.admission import Admission
 from producer.submit.idempotency import STALE_CLAIM_MS, Claim
+from producer.submit.submit_path import SubmitPath
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tidegate import keys
@@ -159,8 +159,8 @@ async def test_with_auth_off_callers_share_the_anonymous_tenant(
     assert first.json() == again.json()
 
 
-class _EnqueueFailsOnce(ProducerAPI):
-    """The API with a bug after the claim: its first enqueue raises a non-Redis error."""
+class _EnqueueFailsOnce(SubmitPath):
+    """The submit path with a bug after the claim: its first enqueue raises a non-Redis error."""
 
     failed = False
 

@@ -14,9 +14,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from producer.api import Batched, ProducerAPI
 from producer.submit.admission import INLINE_PROMPT_CHARS, Admission
+from producer.submit.batched import Batched
 from producer.submit.refusal import Refusal
+from producer.submit.submit_path import SubmitPath
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
 from tests.producer.conftest import MODEL
@@ -162,15 +163,15 @@ async def test_a_cancelled_caller_leaves_the_others_their_answers(
 
 @pytest.fixture
 async def started_api(redis_server: RedisServer, redis_url: str,
-                      admission: Admission) -> AsyncIterator[ProducerAPI]:
-    api = ProducerAPI(Settings(redis_url=redis_url, model=MODEL), admission=admission)
+                      admission: Admission) -> AsyncIterator[SubmitPath]:
+    api = SubmitPath(Settings(redis_url=redis_url, model=MODEL), admission=admission)
     await api.start()
     yield api
     await api.stop()
 
 
 async def test_short_prompts_are_admitted_inline_long_ones_in_a_thread(
-        started_api: ProducerAPI, monkeypatch: pytest.MonkeyPatch) -> None:
+        started_api: SubmitPath, monkeypatch: pytest.MonkeyPatch) -> None:
     import anyio.to_thread
 
     threaded: list[object] = []
@@ -228,7 +229,7 @@ async def test_concurrent_submits_make_one_job_each(
         assert entry_id == "1-0"
 
 
-async def test_stop_waits_for_commands_on_their_way(started_api: ProducerAPI) -> None:
+async def test_stop_waits_for_commands_on_their_way(started_api: SubmitPath) -> None:
     job_ids = [started_api.submit_job(JobRequest(prompt=f"p{i}"), tenant="t")
                for i in range(20)]
     jobs = await asyncio.gather(*job_ids)

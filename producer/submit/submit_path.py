@@ -1,0 +1,189 @@
+"""The submit path: validate, admit, enqueue. ``POST /v1/jobs``, the OpenAI routes and
+``WS /v1/stream`` all call this one object, and share the connections it opens (the Redis
+client, its batched view for the submit's own commands, the event hub that watches jobs).
+
+A submit is refused before anything reaches Redis if it is invalid (422), too long for the
+model (admission), or its lane is full (``LaneFull``); the tenant's rate limits are charged
+last, so a submit refused for any other reason costs nothing. Each refusal is raised as what
+it is (``Refusal``, ``LaneFull``, ``ClaimInProgress``, ``RedisError``); every route turns it into
+its own error shape (``producer.submit.refusal.refusal_of`` for the native routes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import anyio.to_thread
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+
+from producer.errors import FieldError, field_errors
+from producer.submit import idempotency
+from producer.submit.admission import Admission, AdmissionError
+from producer.submit.backlog import LaneBacklog
+from producer.submit.batched import Batched
+from producer.submit.idempotency import Claim, ClaimInProgress
+from producer.submit.rate_limit import RateLimiter
+from producer.submit.refusal import Refusal
+from tidegate.events.event_hub import EventHub
+from tidegate.http.auth import Auth, new_stream_token, token_hash
+from tidegate.jobstore import enqueue
+from tidegate.protocol import Job, JobRequest
+from tidegate.redis_conn import connect
+from tidegate.settings import Settings
+
+
+class SubmitPath:
+    """Auth, admission, the lane backlog, rate limits and idempotency around one enqueue, and
+    the Redis client and event hub the API's routes share."""
+
+    def __init__(self, settings: Settings, *, admission: Admission | None = None,
+                 auth: Auth | None = None):
+        self.settings = settings
+        self.auth = auth if auth is not None else Auth.from_settings(settings)
+        self._admission = admission  # None: loaded from settings.model by start()
+        self.limiter = RateLimiter.from_settings(settings, self.auth)
+        self._backlog = LaneBacklog(max_backlog=settings.max_backlog,
+                                    partitions=settings.lane_partitions,
+                                    retry_after_s=settings.retry_after_s)
+        self._redis: aioredis.Redis | None = None
+        self._batched: Batched | None = None  # the client for the submit path's commands
+        self._hub: EventHub | None = None
+
+    async def start(self) -> None:
+        """Load the tokenizer (if none was given) and open the Redis client and event hub."""
+        self.auth.start()
+        if self._admission is None:
+            self._admission = await anyio.to_thread.run_sync(
+                Admission.for_model, self.settings.model, self.settings.max_output_tokens)
+        self._redis = connect(self.settings.redis_url)
+        self._batched = Batched(self._redis)
+        self._hub = EventHub(self._redis, queue_size=self.settings.watcher_queue_size,
+                             backlog_bytes=self.settings.watcher_backlog_bytes)
+        await self._hub.start()
+
+    async def stop(self) -> None:
+        if self._batched is not None:
+            await self._batched.close()
+            self._batched = None
+        if self._hub is not None:
+            await self._hub.stop()
+            self._hub = None
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
+
+    @property
+    def started(self) -> bool:
+        """Admission loaded and the Redis client open (what readiness needs first)."""
+        return self._admission is not None and self._redis is not None
+
+    @property
+    def admission(self) -> Admission:
+        """The model's admission (and tokenizer), loaded by ``start()``."""
+        if self._admission is None:
+            raise RuntimeError("SubmitPath.start() was not called")
+        return self._admission
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        if self._redis is None:
+            raise RuntimeError("SubmitPath.start() was not called")
+        return self._redis
+
+    @property
+    def hub(self) -> EventHub:
+        """Multiplexes the watchers of the API's streams over one pub/sub connection."""
+        if self._hub is None:
+            raise RuntimeError("SubmitPath.start() was not called")
+        return self._hub
+
+    async def accept(self, tenant: str, body: Any, *,
+                     rate_headers: dict[str, str] | None = None) -> tuple[Claim, str, int]:
+        """Validate, admit and enqueue a submitted body for ``tenant``: (claim, status, 202),
+        or the earlier job's (claim, status, 200) for a repeated ``idempotency_key`` (not
+        charged to the rate limits: a retry of a job already made). ``rate_headers`` as for
+        ``submit_job``.
+
+        Raises ``Refusal``, ``LaneFull``, ``ClaimInProgress`` or ``RedisError``; ``refusal_of``
+        turns each into the API's error.
+        """
+        job_request = _validated(body)
+        key = job_request.idempotency_key
+        redis = self._submit_redis()
+        if key is not None and (earlier := await idempotency.replay(redis, tenant, key)):
+            return earlier.claim, earlier.status, 200
+        job = await self._admitted_job(job_request, tenant, rate_headers)
+        claim = Claim(job_id=job.id, stream_token=new_stream_token(), created_ms=job.created_ms)
+        if key is not None and not await idempotency.claim(
+                redis, tenant, key, claim, ttl_s=self.settings.idempotency_ttl_s):
+            twin = await idempotency.replay(redis, tenant, key)  # the concurrent submit's
+            if twin is None:
+                raise ClaimInProgress("a submit with this idempotency key failed just now; retry")
+            return twin.claim, twin.status, 200
+        try:
+            await self._enqueue(job, tenant=tenant, stream_token=claim.stream_token)
+        except BaseException:  # whatever failed (a cancel included), a retry may enqueue it
+            if key is not None:
+                with contextlib.suppress(RedisError):
+                    await idempotency.release(redis, tenant, key, claim)
+            raise
+        return claim, "queued", 202
+
+    async def submit_job(self, job_request: JobRequest, *, tenant: str,
+                         rate_headers: dict[str, str] | None = None) -> Job:
+        """Admit an already validated request, check its lane's backlog and ``tenant``'s rate
+        limits and enqueue its job. Raises ``Refusal`` (admission, ``RateLimited``),
+        ``LaneFull`` or ``RedisError``. ``rate_headers`` receives the ``x-ratelimit-*``
+        headers for the answer."""
+        job = await self._admitted_job(job_request, tenant, rate_headers)
+        await self._enqueue(job, tenant=tenant)
+        return job
+
+    async def _admitted_job(self, job_request: JobRequest, tenant: str,
+                            rate_headers: dict[str, str] | None) -> Job:
+        """The job to enqueue, once admission, the lane's backlog and the tenant's rate limits
+        allow it (charged last: a submit refused for any other reason costs nothing)."""
+        job_request, prompt_tokens = await self._admit(job_request)
+        await self._backlog.check(self.redis, job_request.lane)
+        rate = await self.limiter.charge(self._submit_redis(), tenant,
+                                         prompt_tokens=prompt_tokens,
+                                         max_tokens=job_request.max_tokens)
+        if rate is not None and rate_headers is not None:
+            rate_headers.update(rate.headers())
+        return job_request.to_job(default_timeout_s=self.settings.default_timeout_s)
+
+    async def _enqueue(self, job: Job, *, tenant: str, stream_token: str | None = None) -> None:
+        hashed = token_hash(stream_token) if stream_token is not None else None
+        # A fresh job id (uuid4) has no record yet, so this always enqueues. Batched stands in
+        # for the client: enqueue sends one EVALSHA (or SCRIPT LOAD first, straight through).
+        await enqueue(self._submit_redis(), job,  # type: ignore[arg-type]
+                      ttl_s=self.settings.job_ttl_s, owner=tenant, stream_token_hash=hashed)
+        self._backlog.note_enqueued(job.lane)
+
+    async def _admit(self, job_request: JobRequest) -> tuple[JobRequest, int]:
+        """The request as admitted, and its prompt's token count."""
+        admission = self.admission
+        try:
+            if admission.is_quick(job_request):
+                return admission.admit(job_request)
+            return await anyio.to_thread.run_sync(admission.admit, job_request)
+        except AdmissionError as exc:
+            fields = [FieldError(field=exc.field, reason=exc.reason)]
+            raise Refusal(422, exc.type, str(exc), fields) from exc
+
+    def _submit_redis(self) -> Batched:
+        if self._batched is None:
+            raise RuntimeError("SubmitPath.start() was not called")
+        return self._batched
+
+
+def _validated(body: Any) -> JobRequest:
+    try:
+        return JobRequest.model_validate(body)
+    except ValidationError as exc:
+        fields = field_errors(exc)
+        message = "; ".join(f"{f['field']}: {f['reason']}" for f in fields)
+        raise Refusal(422, "invalid_request", message, fields) from exc
