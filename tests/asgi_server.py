@@ -20,9 +20,7 @@ def serve(app: ASGIApp, *, startup_timeout_s: float = 10.0,
           **options: object) -> Iterator[str]:
     """Run ``app`` (lifespan included) while the block runs; yields ``http://127.0.0.1:PORT``.
     ``options`` override the servers' own uvicorn options."""
-    from tidegate.commands.cli import (
-        UVICORN_OPTIONS,  # the servers' own options (WebSocket impl ...)
-    )
+    from tidegate.http.server_options import UVICORN_OPTIONS  # the servers' own options
 
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=2,

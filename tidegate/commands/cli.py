@@ -69,25 +69,6 @@ def _check_model(spec: str) -> None:
         raise CliError(str(exc)) from None
 
 
-# Shared by every server role. Per-message deflate is off: token frames are ~200 bytes, and
-# compressing each one for each of thousands of watchers would cost the fan-out most of its CPU.
-UVICORN_OPTIONS: dict[str, object] = {
-    # The sans-I/O websockets protocol plus tidegate's frame-writing extension (ws_protocol).
-    "ws": "tidegate.http.ws_protocol:TidegateWebSocketProtocol",
-    # httptools with bounds on the request head, refused as JSON 414/431 (http_protocol).
-    "http": "tidegate.http.http_protocol:TidegateHttpProtocol",
-    "ws_per_message_deflate": False, "backlog": 4096,
-}
-
-
-def _serve_asgi(app, settings, *, access_log: bool = True) -> int:  # noqa: ANN001
-    import uvicorn
-
-    uvicorn.run(app, host=settings.host, port=settings.port,
-                log_level=settings.log_level.lower(), access_log=access_log, **UVICORN_OPTIONS)
-    return 0
-
-
 def cmd_up(args: argparse.Namespace) -> int:
     from tidegate.commands.launcher import run_up
 
@@ -123,21 +104,23 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_api(args: argparse.Namespace) -> int:
     from producer.api import create_app
+    from tidegate.http.server_options import serve_asgi
 
     settings = _settings(args)
     _check_keys_file(settings.api_keys_file)
     _check_model(settings.model)
     # No access log line per request unless asked for: at thousands of submits/s uvicorn's
     # access log (and the credential filter on it) took ~7% of the API's CPU.
-    return _serve_asgi(create_app(settings), settings, access_log=args.access_log)
+    return serve_asgi(create_app(settings), settings, access_log=args.access_log)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from streaming.gateway import create_app
+    from tidegate.http.server_options import serve_asgi
 
     settings = _settings(args)
     _check_keys_file(settings.api_keys_file)
-    return _serve_asgi(create_app(settings), settings)
+    return serve_asgi(create_app(settings), settings)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

@@ -174,7 +174,7 @@ async def _wait_for_worker(settings: Settings, proc: subprocess.Popen) -> bool:
 async def _serve(settings: Settings) -> int:
     import uvicorn
 
-    from tidegate.commands.cli import UVICORN_OPTIONS
+    from tidegate.http.server_options import UVICORN_OPTIONS
 
     class UpServer(uvicorn.Server):
         """uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down, which would kill

@@ -8,7 +8,8 @@ without a word: the handshake hung until the client gave up. Here a request targ
 ``MAX_HEADER_FIELDS`` of them or over ``MAX_HEADER_BYTES`` in all get ``431``, HTTP and WebSocket
 alike, before any route runs; any other unparsable request gets ``400`` (uvicorn's answer is
 plain text). The bounds sit below websockets' own, so an upgrade that passes them parses there
-too. ``UVICORN_OPTIONS`` in ``tidegate.commands.cli`` selects this protocol for every server tidegate runs.
+too. ``UVICORN_OPTIONS`` (``tidegate.http.server_options``) selects this protocol for every
+server tidegate runs.
 """
 
 from __future__ import annotations

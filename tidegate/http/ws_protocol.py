@@ -14,8 +14,8 @@ transport's write buffer plus the kernel's send queue (where a client that stops
 up hundreds of kB before the transport notices), and ``abort()`` drops a connection at once.
 
 Only offered when the connection negotiated no extension (no permessage-deflate), since
-a raw frame would bypass compression. ``UVICORN_OPTIONS`` in ``tidegate.commands.cli`` selects this
-protocol for every server tidegate runs.
+a raw frame would bypass compression. ``UVICORN_OPTIONS`` (``tidegate.http.server_options``)
+selects this protocol for every server tidegate runs.
 """
 
 from __future__ import annotations
