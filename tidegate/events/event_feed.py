@@ -1,15 +1,15 @@
-"""Read one job's events: what is stored, and replay-then-live through an ``EventHub``.
+"""One job's stored events, as readers see them (``FeedEvent``, ``stored_events``).
 
 Workers store every event in the job's event stream before they publish it
-(``tidegate.events.event_log``), so the stream is always a superset of what was published. A follower
-subscribes first, replays the stream, then takes live events, dropping ids it has already sent
-and refilling from the stream when a live id skips ahead (``tidegate.events.event_hub``).
+(``tidegate.events.event_log``), so the stream is always a superset of what was published. A
+follower subscribes first, replays the stream, then takes live events, dropping ids it has
+already sent and refilling from the stream when a live id skips ahead
+(``tidegate.events.event_hub``; ``tidegate.events.follow`` for one follower alone).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -42,23 +42,3 @@ async def stored_events(redis: aioredis.Redis, job_id: str, after_id: int = 0) -
     """The job's stored events with id > ``after_id``, in order (one range read)."""
     entries = await redis.xrange(keys.job_events(job_id), min=entry_id(after_id + 1))
     return [parse_event(fields[EVENT_FIELD]) for _, fields in entries]
-
-
-async def follow(
-    redis: aioredis.Redis, job_id: str, *, after_id: int = 0, poll_s: float = 1.0
-) -> AsyncIterator[FeedEvent]:
-    """Yield the job's events with id > ``after_id`` in order, ending after the final one.
-
-    A private hub (one pub/sub connection) for one follower: scripts, tests, tools. Servers
-    follow through their process's shared ``EventHub`` instead.
-    """
-    from tidegate.events.event_hub import EventHub
-
-    hub = EventHub(redis, poll_s=poll_s)
-    await hub.start()
-    try:
-        async with hub.watch(job_id, after_id) as watch:
-            async for event in watch.events():
-                yield event
-    finally:
-        await hub.stop()

@@ -20,7 +20,8 @@ import redis.asyncio as aioredis
 
 from tests.conftest import RedisServer, free_port
 from tidegate import keys
-from tidegate.events.event_feed import follow, stored_events
+from tidegate.events.event_feed import stored_events
+from tidegate.events.follow import follow
 from tidegate.jobstore import enqueue, read_result, request_cancel
 from tidegate.protocol import JobRequest, now_ms
 

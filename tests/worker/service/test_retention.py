@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from tidegate import keys
-from tidegate.events.event_feed import follow
+from tidegate.events.follow import follow
 from tidegate.jobstore import enqueue, request_cancel
 from tidegate.protocol import JobRequest
 from tidegate.retention import Retention
