@@ -1,0 +1,220 @@
+"""The import direction and the folders, read from the source: roles import ``tidegate`` and
+never each other, the worker alone imports ``kernels``, ``kernels`` imports nothing of ours,
+only the composition root (``tidegate.commands``) imports the roles, no two modules import each
+other round a circle, and every package says what it owns.
+
+Every import counts: at the top, inside a function (a lazy import still ties the modules) and
+under ``TYPE_CHECKING``.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("tidegate", "producer", "worker", "streaming", "kernels")
+ROLES = ("producer", "worker", "streaming")
+COMPOSITION_ROOT = "tidegate.commands"
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    imported: str
+    line: int
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Every module of our packages under ``root`` by dotted name (a package by its own)."""
+    found: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(root: Path) -> list[Import]:
+    """Each import of one of our modules by another, as the interpreter resolves its name."""
+    known = modules(root)
+    found: list[Import] = []
+    for name, path in known.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the importer's package up
+                    parts = name.split(".") if is_package else name.split(".")[:-1]
+                    parts = parts[:len(parts) - node.level + 1]
+                    base = ".".join([*parts, *([node.module] if node.module else [])])
+                # ``from pkg import mod`` imports the module; ``from mod import name`` the module
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                           for a in node.names]
+            for target in targets:
+                while target and target not in known:  # ``import a.b.c`` of a name inside
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    found.append(Import(name, target, node.lineno))
+    return found
+
+
+def _top(module: str) -> str:
+    return module.partition(".")[0]
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def direction_errors(root: Path) -> list[str]:
+    """Each import that points the wrong way, said as what it breaks."""
+    errors = []
+    for imp in imports(root):
+        importer, imported = _top(imp.importer), _top(imp.imported)
+        where = f"{imp.importer} imports {imp.imported} (line {imp.line})"
+        if importer == "kernels" and imported != "kernels":
+            errors.append(f"{where}: kernels import nothing of tidegate's")
+        elif importer in ROLES:
+            allowed = {importer, "tidegate", *(["kernels"] if importer == "worker" else [])}
+            if imported not in allowed:
+                errors.append(f"{where}: a role imports tidegate (the worker also kernels), "
+                              "never another role")
+            elif _in(imp.imported, COMPOSITION_ROOT) or imp.imported == "tidegate.__main__":
+                errors.append(f"{where}: nothing imports the composition root")
+        elif importer == "tidegate":
+            root_side = _in(imp.importer, COMPOSITION_ROOT) or imp.importer == "tidegate.__main__"
+            if not root_side and imported != "tidegate":
+                errors.append(f"{where}: only {COMPOSITION_ROOT} imports the roles")
+            elif not root_side and _in(imp.imported, COMPOSITION_ROOT):
+                errors.append(f"{where}: nothing imports the composition root")
+            elif root_side and imported == "kernels":
+                errors.append(f"{where}: kernels are the worker's")
+    return errors
+
+
+def circles(root: Path) -> list[list[str]]:
+    """Every set of modules that import each other round a circle (Tarjan's SCCs)."""
+    graph: dict[str, set[str]] = {name: set() for name in modules(root)}
+    for imp in imports(root):
+        graph[imp.importer].add(imp.imported)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # recursion depth is bounded by the module count
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def undocumented_packages(root: Path) -> list[str]:
+    """Folders of our packages without an ``__init__.py`` whose docstring says what they own."""
+    missing = []
+    for package in PACKAGES:
+        for folder in [root / package, *(root / package).rglob("*")]:
+            if not folder.is_dir() or folder.name == "__pycache__":
+                continue
+            if not any(folder.glob("*.py")):
+                continue  # data only (streaming/static, kernels/csrc)
+            init = folder / "__init__.py"
+            if not init.exists() or not ast.get_docstring(ast.parse(init.read_text())):
+                missing.append(str(folder.relative_to(root)))
+    return missing
+
+
+def test_imports_point_one_way() -> None:
+    assert direction_errors(ROOT) == []
+
+
+def test_no_import_circles() -> None:
+    assert circles(ROOT) == []
+
+
+def test_every_package_says_what_it_owns() -> None:
+    assert undocumented_packages(ROOT) == []
+
+
+def test_every_module_is_read() -> None:
+    """The checks above see the whole source (a glob gone wrong would pass them vacuously)."""
+    names = modules(ROOT)
+    assert {"producer.api", "producer.submit.submit_path", "worker.engine.engine",
+            "tidegate.commands.cli", "kernels.ops", "streaming.gateway"} <= set(names)
+    assert len(imports(ROOT)) > 300
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for package in PACKAGES:
+        (root / package).mkdir()
+        (root / package / "__init__.py").write_text(f'"""{package}."""\n')
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize(("files", "error"), [
+    ({"producer/api.py": "from worker.engine import Engine\n"},
+     "never another role"),
+    ({"streaming/gateway.py": "def f():\n    import producer.api\n"},  # lazily, too
+     "never another role"),
+    ({"producer/api.py": "from kernels import ops\n"}, "never another role"),
+    ({"kernels/ops.py": "from tidegate import keys\n"}, "kernels import nothing"),
+    ({"tidegate/keys.py": "from worker import service\n"}, "only tidegate.commands imports"),
+    ({"tidegate/commands/__init__.py": '"""root."""\n', "tidegate/commands/cli.py": "",
+      "producer/api.py": "from tidegate.commands.cli import main\n"},
+     "nothing imports the composition root"),
+])
+def test_a_wrong_import_is_named(tmp_path: Path, files: dict[str, str], error: str) -> None:
+    [found] = direction_errors(_tree(tmp_path, files))
+    assert error in found
+
+
+def test_the_composition_root_may_import_the_roles(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {"tidegate/commands/__init__.py": '"""root."""\n',
+                            "tidegate/commands/cli.py": "def f():\n    from worker import x\n",
+                            "worker/x.py": "from kernels import y\n", "kernels/y.py": ""})
+    assert direction_errors(root) == []
+
+
+def test_a_circle_is_found(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "producer/api.py": "from producer.openai_routes import Routes\n",
+        "producer/openai_routes.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                     "    from producer.api import API\n",
+        "producer/client.py": "from producer import api\n"})
+    assert circles(root) == [["producer.api", "producer.openai_routes"]]
+
+
+def test_an_undocumented_folder_is_found(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {"worker/engine/engine.py": '"""The engine."""\n'})
+    assert undocumented_packages(root) == ["worker/engine"]
