@@ -1,4 +1,5 @@
-"""Enqueue side: the Python client, the HTTP API, OpenAI-compatible routes and admission."""
+"""Enqueue side: the HTTP API, the Python client, the submit path (``submit``), the
+OpenAI-compatible routes (``openai_compat``) and batches (``batches``)."""
 
 from producer.client import Client, Handle, SyncClient
 

@@ -1,1 +1,3 @@
-"""GPU/CPU workers: stream intake, the engine, models and loaders, token publishing."""
+"""GPU/CPU workers: the engine (``engine``), models and their loaders (``models``), the
+queue-facing service around them (``service``: stream intake, publishing) and load shedding
+(``shedding``)."""

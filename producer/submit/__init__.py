@@ -1,4 +1,5 @@
-"""The submit path every submit route shares (``submit_path``): validate, admit (``admission``),
-check the lane's backlog (``backlog``), rate limits (``rate_limit``) and idempotency keys
-(``idempotency``), enqueue; refusals in one shape (``refusal``).
+"""The submit path every submit route shares (``submit_path``): the body read (``request_body``)
+and validated, admitted (``admission``), the lane's backlog (``backlog``), rate limits
+(``rate_limit``) and idempotency keys (``idempotency``) checked, the job enqueued (through
+``batched``); refusals in one shape (``refusal``).
 """
