@@ -185,7 +185,7 @@ def main() -> None:
 
     keep_large_allocations()
     torch.manual_seed(args.seed)
-    loaded = load_model("smollm2", dtype=getattr(torch, args.dtype))
+    loaded = load_model("smollm2", dtype=getattr(torch, args.dtype), packed=False)
     vocab = loaded.config.vocab_size
     mixed, shared = mixed_workload(args.seed, vocab), prefix_workload(args.seed, vocab)
     one = [Request(random_tokens(random.Random(args.seed + 2), 128, vocab), 128)]

@@ -9,6 +9,11 @@ A decode step's projections have a handful of rows: each is a stream over a weig
   transposed form it packs the small activation instead.
 * prefill chunks: ``F.linear``.
 Same arithmetic throughout; results differ only in summation order.
+
+Packed GGUF weights (``kernels.packed_weight``) go to the native packed kernel
+(``csrc/packed_linear_cpu.c``), which dequantizes a strip of rows at a time into cache and
+multiplies it with float32 activations: the dequantized matrix's product up to summation order,
+which ``packed_linear_ref`` (dequantize, then ``linear_ref``) is.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul_ref
 from kernels.native_cpu import native_kernels
+from kernels.packed_weight import PackedWeight
 from kernels.rmsnorm import rms_norm_ref
 
 # The native kernel won at 1-32 rows on every projection shape of the default model and was
@@ -35,6 +41,12 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None =
     return out if add is None else out + add
 
 
+def packed_linear_ref(x: torch.Tensor, weight: PackedWeight, add: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """The packed kernel's reference: the whole matrix dequantized, then ``linear_ref``."""
+    return linear_ref(x, weight.dequantize().to(x.dtype), add)
+
+
 def norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, silu: bool = False) -> torch.Tensor:
     """RMSNorm, then the projection, then (``silu``: weight holds gate then up rows) SwiGLU:
@@ -43,9 +55,14 @@ def norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     return silu_and_mul_ref(out) if silu else out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
+           add: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K], weight [N, K] -> [M, N] (contiguous), plus ``add`` [M, N] if given."""
+    if isinstance(weight, PackedWeight):
+        if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and (
+                native := native_kernels()) is not None:
+            return native.packed_linear(x, weight, add)
+        return packed_linear_ref(x, weight, add)
     if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= SKINNY_ROWS:
         if (x.shape[0] <= NATIVE_ROWS and x.dtype == torch.float32
                 and weight.dtype == torch.float32 and (native := native_kernels()) is not None):

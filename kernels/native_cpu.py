@@ -26,18 +26,20 @@ from pathlib import Path
 import torch
 
 from kernels.dispatch import kernel_mode
+from kernels.packed_weight import PackedWeight
 
 log = logging.getLogger("tidegate.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_decode_cpu.c", CSRC / "linear_cpu.c")  # one shared object
+SOURCES = (CSRC / "paged_decode_cpu.c", CSRC / "linear_cpu.c",  # one shared object
+           CSRC / "packed_linear_cpu.c", CSRC / "elementwise_cpu.c")
 # fast-math's parts let the compiler vectorize the reductions (the kernel never sees inf or
 # NaN by construction: its exp clamps, its max starts from a real score). Not -ffast-math
 # itself: with it, GCC links crtfastmath.o into the shared object, whose loading turns on
 # flush-to-zero for the whole process (every subnormal then reads as 0, in torch too).
 FAST_MATH = ["-fno-math-errno", "-fno-trapping-math", "-ffinite-math-only", "-fno-signed-zeros",
              "-fassociative-math", "-freciprocal-math"]
-FLAGS = ["-O3", "-march=native", *FAST_MATH, "-fopenmp", "-fPIC", "-shared", "-std=c11",
+FLAGS = ["-O3", "-march=native", *FAST_MATH, "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11",
          # 512-bit vectors where the CPU has them (compilers default to 256 on AVX-512 parts).
          *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else [])]
 
@@ -81,8 +83,10 @@ def build(sources: tuple[Path, ...] = SOURCES) -> Path:
                                  check=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeBuildError(f"{cc} --version failed: {exc}") from exc
+    headers = sorted({h for src in sources for h in src.parent.glob("*.h")})
     key = hashlib.sha256("\0".join(
-        [*(src.read_text() for src in sources), " ".join(FLAGS), version, _cpu_identity()]
+        [*(src.read_text() for src in (*sources, *headers)), " ".join(FLAGS), version,
+         _cpu_identity()]
     ).encode()).hexdigest()[:16]
     target = cache_dir() / f"tidegate-cpu-{key}.so"
     if target.exists():
@@ -119,6 +123,26 @@ class NativeCpuKernels:
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_int]
         fn.restype = None
         self._skinny_linear = fn
+        fn = self.lib.tidegate_packed_linear_f32
+        fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._packed_linear = fn
+        fn = self.lib.tidegate_dequant_rows
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        self._dequant_rows = fn
+        fn = self.lib.tidegate_rms_norm_f32
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                       ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        fn.restype = None
+        self._rms_norm = fn
+        fn = self.lib.tidegate_rotary_store_kv_f32
+        fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5
+                       + [ctypes.c_int64] * 4 + [ctypes.c_int])
+        fn.restype = None
+        self._rotary_store_kv = fn
 
     def skinny_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight[N, K].T -> [M, N] for few rows (decode steps); float32 CPU."""
@@ -137,6 +161,85 @@ class NativeCpuKernels:
                                 weight.shape[0], k, x.stride(0), out.stride(0),
                                 torch.get_num_threads())
         return out
+
+    def packed_linear(self, x: torch.Tensor, weight: PackedWeight,
+                      add: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] @ dequant(weight) [N, K].T (+ add [M, N]) -> [M, N]; float32 CPU x."""
+        n, k = weight.shape
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x {tuple(x.shape)} does not fit weight {weight.shape}")
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"x must be a float32 CPU tensor, got {x.dtype} on {x.device}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty(m, n, dtype=torch.float32)
+        if add is not None:
+            if add.shape != (m, n) or add.dtype != torch.float32:
+                raise ValueError(f"add {tuple(add.shape)} does not fit the output {(m, n)}")
+            add = add.contiguous()
+        if m == 0:
+            return out
+        threads = torch.get_num_threads()
+        row = 0
+        for part in weight.parts:
+            rc = self._packed_linear(
+                part.qtype, x.data_ptr(), part.data.data_ptr(), out.data_ptr() + 4 * row,
+                None if add is None else add.data_ptr() + 4 * row, m, part.rows, k,
+                x.stride(0), n, threads)
+            if rc == -2:
+                raise MemoryError("packed linear kernel could not allocate its scratch memory")
+            if rc != 0:
+                raise ValueError(f"packed linear: GGML type {part.qtype} with {k} columns")
+            row += part.rows
+        return out
+
+    def dequantize_rows(self, weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of ``weight`` in float32 [len(ids), K] (embedding lookups)."""
+        ids = ids.reshape(-1).to(torch.int64)
+        n, k = weight.shape
+        out = torch.empty(ids.numel(), k, dtype=torch.float32)
+        if len(weight.parts) != 1:  # embeddings are one tensor; stacked matrices go per part
+            return weight.dequantize_rows(ids)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            raise IndexError(f"row ids out of range for {n} rows")
+        part = weight.parts[0]
+        ids = ids.contiguous()
+        if self._dequant_rows(part.qtype, part.data.data_ptr(), k, ids.data_ptr(), ids.numel(),
+                              out.data_ptr()) != 0:
+            raise ValueError(f"dequantize rows: GGML type {part.qtype} with {k} columns")
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kernels.rmsnorm.rms_norm_ref`` for 2-D float32 CPU rows (see ``rms_norm_applies``)."""
+        m, h = x.shape
+        out = torch.empty(m, h)
+        new_res = torch.empty(m, h) if residual is not None else x
+        if m:
+            self._rms_norm(x.data_ptr(), x.stride(0),
+                           None if residual is None else residual.data_ptr(),
+                           0 if residual is None else residual.stride(0), weight.data_ptr(),
+                           float(eps), out.data_ptr(), new_res.data_ptr(), m, h,
+                           torch.get_num_threads())
+        return out, new_res
+
+    def rotary_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        positions: torch.Tensor, cache: torch.Tensor, key_cache: torch.Tensor,
+                        value_cache: torch.Tensor, slot_mapping: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k in place and store k, v at their slots (``rotary_store_kv_applies``
+        says when); returns (q, k)."""
+        t, hq, d = q.shape
+        hk = k.shape[1]
+        if t:
+            positions = positions.to(torch.int64).contiguous()
+            slots = slot_mapping.to(torch.int64).contiguous()
+            self._rotary_store_kv(
+                q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                positions.data_ptr(), cache.data_ptr(), key_cache.data_ptr(),
+                value_cache.data_ptr(), slots.data_ptr(), t, hq, hk, d, torch.get_num_threads())
+        return q, k
 
     def paged_decode(
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -195,3 +298,26 @@ def native_kernels() -> NativeCpuKernels | None:
 def native_decode_applies(q: torch.Tensor) -> bool:
     """Whether the native decode kernel serves this query (float32 on the CPU)."""
     return q.device.type == "cpu" and q.dtype == torch.float32 and native_kernels() is not None
+
+
+def rms_norm_applies(x: torch.Tensor, weight: torch.Tensor,
+                     residual: torch.Tensor | None) -> bool:
+    """Whether the native RMSNorm serves these tensors: float32 CPU rows with unit strides."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+            and x.stride(1) == 1 and weight.dtype == torch.float32 and weight.is_contiguous()
+            and (residual is None or (residual.dtype == torch.float32
+                                      and residual.shape == x.shape and residual.stride(1) == 1))
+            and native_kernels() is not None)
+
+
+def rotary_store_kv_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            cache: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the native rotary + store serves these: float32 CPU, heads packed per token,
+    contiguous float32 cache and caches."""
+    d = q.shape[-1]
+    return (q.device.type == "cpu" and q.dim() == 3 and k.dim() == 3 and v.dim() == 3
+            and all(t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == d
+                    for t in (q, k, v))
+            and cache.dtype == torch.float32 and cache.is_contiguous()
+            and key_cache.dtype == torch.float32 and key_cache.is_contiguous()
+            and cache.shape[-1] == d and native_kernels() is not None)

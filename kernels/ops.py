@@ -9,16 +9,19 @@ needs Triton.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul_ref
 from kernels.dispatch import SERVE_ROWS, use_triton
 from kernels.linear import linear as linear_impl
+from kernels.native_cpu import native_kernels, rms_norm_applies, rotary_store_kv_applies
+from kernels.packed_weight import PackedWeight
 from kernels.paged_attention import PagedAttentionMetadata, paged_decode_attention, store_kv_ref
 from kernels.paged_attention import paged_attention as paged_attention_cpu
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import rotary_ref
 
-__all__ = ["fuses_projections", "linear", "norm_linear", "paged_attention", "paged_decode",
+__all__ = ["embedding", "fuses_projections", "linear", "norm_linear", "paged_attention", "paged_decode",
            "rms_norm", "rotary", "rotary_store_kv", "silu_and_mul", "store_kv"]
 
 
@@ -29,26 +32,37 @@ def fuses_projections(x: torch.Tensor) -> bool:
     return x.dim() == 2 and 0 < x.shape[0] <= SERVE_ROWS and use_triton(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ add [M, N], the residual stream's add) -> [M, N]."""
-    if fuses_projections(x):
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
+           add: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ add [M, N], the residual stream's add) -> [M, N].
+    ``weight`` may be packed GGUF blocks (``kernels.packed_weight``; CPU)."""
+    if fuses_projections(x) and not isinstance(weight, PackedWeight):
         from kernels.linear_triton import skinny_linear_triton
 
         return skinny_linear_triton(x, weight, add=add)
     return linear_impl(x, weight, add)
 
 
-def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                silu: bool = False) -> torch.Tensor:
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor | PackedWeight, silu: bool = False) -> torch.Tensor:
     """rms_norm(x) @ weight.T, then silu(gate) * up if ``silu`` (weight: gate rows, then up
     rows); one weight stream with the norm and SiLU fused where the few-row kernel serves."""
-    if fuses_projections(x):
+    if fuses_projections(x) and not isinstance(weight, PackedWeight):
         from kernels.linear_triton import skinny_linear_triton
 
         return skinny_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)
     out = linear(rms_norm(x, norm_weight, eps)[0], weight)
     return silu_and_mul(out) if silu else out
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+    """Rows ``ids`` [T] of the embedding matrix -> [T, H] (packed: only those rows
+    dequantized)."""
+    if not isinstance(weight, PackedWeight):
+        return F.embedding(ids, weight)
+    native = native_kernels() if ids.device.type == "cpu" else None
+    return (native.dequantize_rows(weight, ids) if native is not None
+            else weight.dequantize_rows(ids))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -58,6 +72,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         from kernels.rmsnorm_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual)
+    if rms_norm_applies(x, weight, residual):
+        return native_kernels().rms_norm(x, weight, eps, residual)  # type: ignore[union-attr]
     return rms_norm_ref(x, weight, eps, residual)
 
 
@@ -82,6 +98,9 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 
         return rotary_store_kv_triton(q, k, v, positions, cache, key_cache, value_cache,
                                       slot_mapping)
+    if rotary_store_kv_applies(q, k, v, cache, key_cache) and value_cache.is_contiguous():
+        return native_kernels().rotary_store_kv(  # type: ignore[union-attr]
+            q, k, v, positions, cache, key_cache, value_cache, slot_mapping)
     q, k = rotary_ref(q, k, positions, cache)
     store_kv_ref(k, v, key_cache, value_cache, slot_mapping)
     return q, k

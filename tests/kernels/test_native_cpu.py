@@ -158,3 +158,48 @@ def test_loading_the_native_kernels_keeps_subnormal_floats() -> None:
     tiny = np.float64(2.2250738585072014e-308)  # the smallest normal double
     assert tiny * np.float64(0.5) > 0
     assert torch.tensor(1e-39, dtype=torch.float32).item() > 0
+
+
+@pytest.mark.parametrize("rows", [1, 3, 70])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_native_rms_norm_matches_the_reference(rows: int, with_residual: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDEGATE_KERNELS", "native")
+    from kernels.rmsnorm import rms_norm_ref
+
+    wide = torch.randn(rows, 700)
+    x = wide[:, 3:579]  # a strided view, as the residual stream's slices are
+    weight = torch.rand(576) + 0.5
+    residual = torch.randn(rows, 576) if with_residual else None
+    assert native_cpu.rms_norm_applies(x, weight, residual)
+    got, got_res = ops.rms_norm(x, weight, 1e-5, residual)
+    want, want_res = rms_norm_ref(x, weight, 1e-5, residual)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got_res, want_res)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 80])
+def test_native_rotary_store_kv_matches_the_reference(tokens: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """In place on q/k views of one fused qkv row, as the model passes them; padding slots
+    (-1) are skipped and no other slot is touched."""
+    monkeypatch.setenv("TIDEGATE_KERNELS", "native")
+    from kernels.paged_attention import store_kv_ref
+    from kernels.rotary import cos_sin_cache, rotary_ref
+
+    hq, hk, d = 9, 3, 64
+    cache = cos_sin_cache(d, 4096, 10_000.0, None)
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d)
+    q, k, v = (t.view(tokens, -1, d) for t in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+    positions = torch.randint(0, 4096, (tokens,))
+    slots = torch.randperm(40 * 16)[:tokens]
+    slots[0] = -1
+    key_cache, value_cache = torch.zeros(40, 16, hk, d), torch.zeros(40, 16, hk, d)
+    want_q, want_k = rotary_ref(q, k, positions, cache)
+    want_kc, want_vc = key_cache.clone(), value_cache.clone()
+    store_kv_ref(want_k, v, want_kc, want_vc, slots)
+    assert native_cpu.rotary_store_kv_applies(q, k, v, cache, key_cache)
+    got_q, got_k = ops.rotary_store_kv(q, k, v, positions, cache, key_cache, value_cache, slots)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated where they lie
+    assert torch.allclose(got_q, want_q, atol=1e-5) and torch.allclose(got_k, want_k, atol=1e-5)
+    assert torch.allclose(key_cache, want_kc, atol=1e-5) and torch.equal(value_cache, want_vc)

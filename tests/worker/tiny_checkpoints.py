@@ -86,8 +86,12 @@ def llama3_rope_freqs(head_dim: int, theta: float, rope: dict[str, Any]) -> np.n
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(model: LlamaForCausalLM, path: Path, *, arch: str = "llama") -> Path:
-    """Write ``model`` as an F32 llama.cpp GGUF with a byte-level gpt2 tokenizer."""
+def write_gguf(model: LlamaForCausalLM, path: Path, *, arch: str = "llama",
+               qtype: gguf.GGMLQuantizationType | None = None,
+               qtypes: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+    """Write ``model`` as a llama.cpp GGUF with a byte-level gpt2 tokenizer: F32, or its
+    matrices quantized by gguf-py to ``qtype`` (``qtypes``: per GGUF tensor-name part, e.g.
+    ``{"attn_v": Q8_0}``, as llama.cpp's mixed files do); norms stay F32."""
     cfg = model.config
     heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     theta = cfg.rope_parameters["rope_theta"]
@@ -121,7 +125,13 @@ def write_gguf(model: LlamaForCausalLM, path: Path, *, arch: str = "llama") -> P
             array = llama_cpp_permute(array, heads)
         elif name.endswith("k_proj.weight"):
             array = llama_cpp_permute(array, kv_heads)
-        w.add_tensor(gguf_name, np.ascontiguousarray(array))
+        kind = next((t for part, t in (qtypes or {}).items() if f".{part}." in gguf_name
+                     or gguf_name.startswith(f"{part}.")), qtype)
+        if kind is None or array.ndim != 2:
+            w.add_tensor(gguf_name, np.ascontiguousarray(array))
+        else:
+            packed = np.ascontiguousarray(gguf.quants.quantize(array, kind)).view(np.uint8)
+            w.add_tensor(gguf_name, packed, raw_shape=packed.shape, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

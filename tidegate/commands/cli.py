@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sys
 import time
 import urllib.parse
@@ -38,7 +39,7 @@ def _settings(args: argparse.Namespace):  # -> Settings
     from tidegate.settings import load_settings
 
     fields = ("redis_url", "model", "device", "dtype", "max_num_seqs", "max_num_batched_tokens",
-              "kv_cache_gb", "cuda_graphs", "host", "port", "log_level")
+              "kv_cache_gb", "cuda_graphs", "weights", "host", "port", "log_level")
     try:
         return load_settings(**{f: getattr(args, f, None) for f in fields})
     except ValidationError as exc:
@@ -170,6 +171,58 @@ async def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    import torch
+
+    from tidegate.model_files.model_source import ModelLoadError
+    from worker.models.loaders.loader import load_model
+    from worker.models.perplexity import perplexity
+
+    try:
+        text = open(args.text, encoding="utf-8").read()  # noqa: SIM115 - read at once
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read --text {args.text}: {exc}") from None
+    if args.context < 2:
+        raise CliError("--context must be at least 2 tokens")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise CliError(f"--device {args.device!r}: cpu or cuda[:N]")
+    _check_device(args.device)
+    dtype = None if args.dtype in (None, "auto") else getattr(torch, args.dtype, None)
+    if args.dtype not in (None, "auto") and not isinstance(dtype, torch.dtype):
+        raise CliError(f"--dtype {args.dtype!r}: float32, bfloat16, float16 or auto")
+    packed = {"auto": None, "packed": True, "dequantized": False}[args.weights]
+    try:
+        loaded = load_model(args.model, device=args.device, dtype=dtype, packed=packed)
+    except ModelLoadError as exc:
+        raise CliError(str(exc)) from None
+    ids = loaded.tokenizer.encode(text)
+    if len(ids) < 2:
+        raise CliError(f"--text {args.text} has fewer than 2 tokens: nothing to score")
+
+    def progress(done: int, total: int) -> None:
+        if not args.json and sys.stderr.isatty() or args.progress:
+            width = 30
+            bar = "#" * (width * done // total) + "." * (width - width * done // total)
+            print(f"\r[{bar}] {done}/{total} windows", end="" if done < total else "\n",
+                  file=sys.stderr, flush=True)
+
+    result = perplexity(loaded.model, ids, context=args.context, progress=progress)
+    types = loaded.packed_types()
+    report = {"model": loaded.source.name, "weights": "packed " + "+".join(types) if types
+              else f"{next(loaded.model.parameters()).dtype}".removeprefix("torch."),
+              "weight_mb": round(loaded.weight_bytes() / 1e6, 1), "ppl": result.ppl,
+              "nll": result.nll, "tokens_scored": result.tokens_scored,
+              "windows": result.windows, "context": result.context,
+              "seconds": round(result.seconds, 2)}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"perplexity {result.ppl:.4f} over {result.tokens_scored} tokens "
+              f"({result.windows} windows of {result.context}; {report['weights']}, "
+              f"{report['weight_mb']} MB; {result.seconds:.1f} s)")
+    return 0
+
+
 def _add_common(p: argparse.ArgumentParser, *, model: bool = True, serve: bool = True) -> None:
     p.add_argument("--redis-url", help="Redis URL (env TIDEGATE_REDIS_URL or REDIS_URL)")
     if model:
@@ -184,6 +237,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu (default) or cuda")
     p.add_argument("--dtype", help="auto (default: float32 on cpu, bfloat16 on cuda), float32, "
                                    "bfloat16, float16")
+    p.add_argument("--weights", choices=["auto", "packed", "dequantized"],
+                   help="a GGUF model's quantized matrices: packed in memory, read by the CPU's "
+                        "packed kernels (auto: on the CPU), or dequantized to --dtype")
     p.add_argument("--max-num-seqs", type=int, help="requests batched at once (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="tokens per engine step: decodes plus prompt chunks (default 512)")
@@ -263,6 +319,20 @@ def build_parser() -> argparse.ArgumentParser:
     for b in batch_sub.choices.values():
         b.add_argument("--redis-url", help="default: env TIDEGATE_REDIS_URL or REDIS_URL")
         b.set_defaults(func=cmd_batch)
+
+    p = sub.add_parser("eval-ppl", help="perplexity of a model over a text file")
+    p.add_argument("model", help="smollm2 | HF directory | .gguf | random:<preset>")
+    p.add_argument("--text", required=True, help="UTF-8 text file to score")
+    p.add_argument("--context", type=int, default=512,
+                   help="tokens per window; the second half of each is scored (default 512)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dtype", help="auto (default), float32, bfloat16, float16")
+    p.add_argument("--weights", choices=["auto", "packed", "dequantized"], default="auto",
+                   help="a GGUF model's matrices packed (auto: on the CPU) or dequantized")
+    p.add_argument("--json", action="store_true", help="one JSON line instead of text")
+    p.add_argument("--progress", action="store_true", help="a progress bar even off a terminal")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
+    p.set_defaults(func=cmd_eval_ppl)
 
     p = sub.add_parser("batch-worker", help="run batches (an arq worker; needs a real Redis)")
     p.add_argument("--redis-url", help="default: env TIDEGATE_REDIS_URL or REDIS_URL")

@@ -8,7 +8,7 @@ naming (``load_hf_state_dict``); q/k/v and gate/up are fused at load for fewer, 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
+from kernels.packed_weight import PackedWeight
 from kernels.rotary import Llama3Scaling, cos_sin_cache
+from worker.models.packed_modules import PackedEmbedding, PackedLinear
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +173,48 @@ class LlamaModel(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return ops.linear(hidden, weight).float()
 
+    def adopt_packed(self, packed: Callable[[str], PackedWeight | None]) -> int:
+        """Swap in packed projections and embeddings wherever ``packed(hf_name)`` gives the
+        weights packed (every part of a fused matrix must; else it stays float). Called on a
+        model still on the meta device, so the float matrices it replaces are never
+        allocated; ``load_hf_state_dict`` then loads only what stayed float. Returns the
+        number of matrices swapped."""
+
+        def group(names: list[str]) -> PackedWeight | None:
+            parts = [packed(name) for name in names]
+            if any(p is None for p in parts):
+                return None
+            return PackedWeight.cat([p for p in parts if p is not None])
+
+        swapped = 0
+        embed = packed("model.embed_tokens.weight")
+        if embed is not None:
+            self.embed_tokens = PackedEmbedding(embed)  # type: ignore[assignment]
+            swapped += 1
+        if self.lm_head is not None and (head := packed("lm_head.weight")) is not None:
+            self.lm_head = PackedLinear(head)  # type: ignore[assignment]
+            swapped += 1
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            for attr, names in (
+                ("qkv_proj", [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")]),
+                ("o_proj", [p + "self_attn.o_proj.weight"]),
+                ("gate_up_proj", [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")]),
+                ("down_proj", [p + "mlp.down_proj.weight"]),
+            ):
+                weight = group(names)
+                if weight is not None:
+                    expected = tuple(getattr(layer, attr).weight.shape)
+                    if weight.shape != expected:
+                        raise ValueError(f"tensor {p}{attr}: shape {weight.shape}, "
+                                         f"expected {expected}")
+                    setattr(layer, attr, PackedLinear(weight))
+                    swapped += 1
+        return swapped
+
     def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Load weights named as in HF ``LlamaForCausalLM``; raises naming any missing tensor."""
+        """Load weights named as in HF ``LlamaForCausalLM``; raises naming any missing tensor.
+        Modules already packed (``adopt_packed``) are skipped."""
         missing: list[str] = []
 
         def take(name: str) -> torch.Tensor:
@@ -181,29 +223,38 @@ class LlamaModel(nn.Module):
                 return torch.empty(0)
             return tensors[name]
 
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if value.numel() == 0:
+        def put(param: torch.Tensor | PackedWeight, value: torch.Tensor, name: str) -> None:
+            if value.numel() == 0 or isinstance(param, PackedWeight):
                 return
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(f"tensor {name}: shape {tuple(value.shape)}, "
                                  f"expected {tuple(param.shape)}")
             param.data.copy_(value)
 
+        def packed(module: nn.Module) -> bool:
+            return isinstance(module, PackedLinear | PackedEmbedding)
+
         with torch.no_grad():
-            put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
+            if not packed(self.embed_tokens):
+                put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
             put(self.norm, take("model.norm.weight"), "model.norm.weight")
-            if self.lm_head is not None:
+            if self.lm_head is not None and not packed(self.lm_head):
                 put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                parts = [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
-                if all(x.numel() for x in parts):
-                    put(layer.qkv_proj.weight, torch.cat(parts), p + "qkv")
-                put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "o_proj")
-                parts = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-                if all(x.numel() for x in parts):
-                    put(layer.gate_up_proj.weight, torch.cat(parts), p + "gate_up")
-                put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "down_proj")
+                if not packed(layer.qkv_proj):
+                    parts = [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
+                    if all(x.numel() for x in parts):
+                        put(layer.qkv_proj.weight, torch.cat(parts), p + "qkv")
+                if not packed(layer.o_proj):
+                    put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "o_proj")
+                if not packed(layer.gate_up_proj):
+                    parts = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+                    if all(x.numel() for x in parts):
+                        put(layer.gate_up_proj.weight, torch.cat(parts), p + "gate_up")
+                if not packed(layer.down_proj):
+                    put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"),
+                        p + "down_proj")
                 put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm")
                 put(layer.post_attn_norm, take(p + "post_attention_layernorm.weight"),
                     p + "post_attention_layernorm")

@@ -26,6 +26,12 @@ class ShedderConfig:
     # Until measured: rates assumed optimistic enough to admit, pessimistic enough to learn fast.
     initial_prefill_tok_s: float = 2000.0
     initial_step_s: float = 0.02
+    # A step this many times slower than predicted is a stall (the process was paused: SIGSTOP,
+    # a long GC or swap), not what steps cost, and is left out, unless ``stalls_to_believe``
+    # come in a row: then the machine really got slower and the rates follow it.
+    stall_factor: float = 8.0
+    stalls_to_believe: int = 3
+    min_steps_to_judge: int = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +100,8 @@ class LoadShedder:
         # The step-time line through ``_decode`` (mean batch, mean time, slope, spread), kept
         # until the next decode step: a burst's admissions ask for it once per job.
         self._line: tuple[float, float, float, float] | None = None
+        self._stalls = 0  # stalls in a row, left out so far
+        self.stalls_ignored = 0
 
     # ------------------------------------------------------------------ measurements
 
@@ -102,6 +110,8 @@ class LoadShedder:
         tokens give the prefill rate after the decode share of the step is taken out."""
         if seconds <= 0:
             return
+        if self._stalled(prompt_tokens, decodes, seconds):
+            return
         if prompt_tokens == 0:
             if decodes > 0:
                 self._decode.append((decodes, seconds))
@@ -109,6 +119,26 @@ class LoadShedder:
             return
         decode_share = self.step_s(decodes) if decodes else 0.0
         self._prefill.append((prompt_tokens, max(seconds - decode_share, seconds * 0.1)))
+
+    def _stalled(self, prompt_tokens: int, decodes: int, seconds: float) -> bool:
+        """Whether to leave this step out as a stall: far slower than the rates predict,
+        while the rates rest on enough steps, and not yet ``stalls_to_believe`` in a row.
+        Without this, one paused step (a worker frozen past its visibility timeout) would
+        stay in the window and make the worker refuse every job it could finish."""
+        cfg = self.config
+        if len(self._decode) + len(self._prefill) < cfg.min_steps_to_judge:
+            return False
+        predicted = (self.step_s(decodes) if decodes else 0.0) + (
+            prompt_tokens / self.prefill_tok_s())
+        if seconds <= cfg.stall_factor * predicted:
+            self._stalls = 0
+            return False
+        self._stalls += 1
+        if self._stalls >= cfg.stalls_to_believe:
+            self._stalls = 0
+            return False
+        self.stalls_ignored += 1
+        return True
 
     def prefill_tok_s(self) -> float:
         # Copies (tuple() holds the GIL throughout): the engine thread appends to the windows

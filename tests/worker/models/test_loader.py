@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
@@ -21,6 +22,7 @@ from tests.worker.tiny_checkpoints import (
 from tidegate.model_files.model_source import ModelLoadError, preset_config
 from worker.models.loaders.gguf_weights import unpermute_qk
 from worker.models.loaders.loader import load_model
+from worker.models.packed_modules import PackedEmbedding, PackedLinear
 
 # A sequence longer than the llama3 variant's original context (32), so scaled bands matter.
 IDS = [256, *range(40, 120, 2), 97, 98, 99, 10, 32, 200, 255, 3, 4]
@@ -132,3 +134,58 @@ def test_unsupported_rope_type_is_refused(tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"config.json: rope_type 'yarn' is not supported"):
         load_model(str(path))
+
+
+QUANTIZED = {name: dict(qtype=GGMLQuantizationType[name])
+             for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16")}
+# As llama.cpp's mixed files (Q4_K_M): v and down in a wider type than q, k, gate, up.
+QUANTIZED["mixed"] = dict(qtype=GGMLQuantizationType.Q4_0, qtypes={
+    "attn_v": GGMLQuantizationType.Q8_0, "ffn_down": GGMLQuantizationType.Q5_1,
+    "token_embd": GGMLQuantizationType.Q8_0})
+
+
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_quantized_gguf_stays_packed_and_computes_its_dequantized_model(
+        tmp_path: Path, kind: str) -> None:
+    path = write_gguf(tiny_hf_model(tied=kind == "mixed"), tmp_path / f"{kind}.gguf",
+                      **QUANTIZED[kind])
+    packed = load_model(str(path))
+    dequantized = load_model(str(path), packed=False)
+    layer = packed.model.layers[1]
+    assert isinstance(layer.qkv_proj, PackedLinear) and isinstance(layer.down_proj, PackedLinear)
+    assert isinstance(packed.model.embed_tokens, PackedEmbedding)
+    assert not packed.packed_types() == dequantized.packed_types() == []
+    if kind == "mixed":
+        assert layer.qkv_proj.weight.types == ("Q4_0", "Q8_0")  # q+k, then v
+        assert packed.packed_types() == ["Q4_0", "Q8_0", "Q5_1"]
+    assert packed.weight_bytes() < dequantized.weight_bytes() * (0.6 if kind != "mixed" else 0.5)
+    want = causal_logits(dequantized.model, IDS)
+    got = causal_logits(packed.model, IDS)
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def test_a_quantized_gguf_still_matches_transformers_closely(tmp_path: Path) -> None:
+    """Q8_0 keeps each weight within half a percent: the packed model is still the HF one."""
+    hf = tiny_hf_model(tied=False)
+    loaded = load_model(str(write_gguf(hf, tmp_path / "q8.gguf",
+                                       qtype=GGMLQuantizationType.Q8_0)))
+    want = hf_reference_logits(hf)
+    assert (causal_logits(loaded.model, IDS) - want).abs().max().item() < 0.05 * want.abs().max()
+
+
+def test_a_type_without_a_packed_kernel_is_refused_by_name(tmp_path: Path) -> None:
+    path = write_gguf(tiny_hf_model(tied=False), tmp_path / "m.gguf",
+                      qtype=GGMLQuantizationType.Q4_0,
+                      qtypes={"attn_q": GGMLQuantizationType.MXFP4})
+    with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.attn_q\.weight is MXFP4, which "
+                                             r"the packed kernels do not compute"):
+        load_model(str(path))
+    assert load_model(str(path), packed=False).packed_types() == []  # dequantized, as asked
+
+
+def test_packed_weights_are_refused_off_the_cpu_float32_path(tmp_path: Path) -> None:
+    path = write_gguf(tiny_hf_model(tied=False), tmp_path / "m.gguf",
+                      qtype=GGMLQuantizationType.Q8_0)
+    with pytest.raises(ModelLoadError, match="packed weights run on the CPU in float32"):
+        load_model(str(path), dtype=torch.bfloat16, packed=True)
+    assert load_model(str(path), dtype=torch.bfloat16).packed_types() == []  # auto: dequantized

@@ -106,3 +106,18 @@ def test_estimates_on_the_event_loop_survive_steps_recorded_by_the_engine_thread
         stop.set()
         thread.join()
         sys.setswitchinterval(interval)
+
+
+def test_one_stalled_step_is_left_out_but_a_lasting_slowdown_is_learned() -> None:
+    """A worker paused mid-step (SIGSTOP past its visibility timeout, a long GC) records one
+    step of many seconds; kept, it would make the worker refuse every job it could finish
+    (and, refusing, it would run no step to wash it out)."""
+    s = trained()
+    before = s.step_s(1)
+    s.observe_step(0, 1, 35.0)
+    assert s.step_s(1) == pytest.approx(before) and s.stalls_ignored == 1
+    assert s.estimate(20, 800, Load(0, 0, 1), time_left_s=300).admit
+    s.observe_step(0, 1, 0.011)  # running normally again: the count of stalls starts over
+    for _ in range(3):  # three slow steps in a row: the machine is slower now
+        s.observe_step(0, 1, 0.5)
+    assert s.stalls_ignored == 3 and s.step_s(1) > 5 * before

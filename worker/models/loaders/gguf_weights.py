@@ -1,5 +1,7 @@
-"""Llama weights from a llama.cpp GGUF file: config from its metadata, tensors dequantized to
-float32 and renamed to Hugging Face's names, with llama.cpp's q/k row permutation undone.
+"""Llama weights from a llama.cpp GGUF file: config from its metadata, tensors renamed to
+Hugging Face's names, with llama.cpp's q/k row permutation undone. Each matrix comes either
+packed, in its own block format (``packed``: what the CPU's packed kernels read), or dequantized
+to float32 (``__getitem__``: accelerators, and anything the packed kernels do not implement).
 
 llama.cpp's converter reorders the rows of q_proj and k_proj within each head so that its
 interleaved rotary (pairs 0-1, 2-3, ...) equals HF's rotate-half (pairs i, i + D/2); our model
@@ -19,6 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from kernels.packed_weight import PACKED_TYPES, PackedWeight
 from kernels.rotary import Llama3Scaling, inv_frequencies
 from tidegate.model_files.gguf_file import GGUFHeader, GGUFTensorInfo
 from tidegate.model_files.model_source import ModelLoadError, gguf_header
@@ -50,6 +53,11 @@ def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def unpermute_order(rows: int, n_heads: int) -> torch.Tensor:
+    """The row order ``unpermute_qk`` makes, as indices (for packed rows)."""
+    return unpermute_qk(torch.arange(rows).view(rows, 1), n_heads).view(rows)
+
+
 class GGUFWeights(Mapping[str, torch.Tensor]):
     """HF-named float32 tensors of a GGUF file, each dequantized when it is looked up."""
 
@@ -79,6 +87,31 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
             tensor = unpermute_qk(tensor, self.config.num_kv_heads)
         return tensor
 
+    def packed(self, name: str) -> PackedWeight | None:
+        """The matrix ``name`` in its file's block format, or None where it is not packed
+        (float32 in the file, not a matrix, or a type the packed kernels do not compute)."""
+        info = self._infos.get(name)
+        if info is None or len(info.shape) != 2 or info.ggml_type == GGMLQuantizationType.F32:
+            return None  # F32: float already, the float kernels serve it
+        if info.ggml_type not in PACKED_TYPES:
+            try:
+                kind = GGMLQuantizationType(info.ggml_type).name
+            except ValueError:
+                kind = f"type {info.ggml_type}"
+            names = ", ".join(sorted(t.name for t in PACKED_TYPES))
+            raise ModelLoadError(
+                f"{self.path}: tensor {info.name} is {kind}, which the packed kernels do not "
+                f"compute ({names}); --weights dequantized loads it as float")
+        rows, cols = info.shape
+        _, n_bytes = self._span(info)
+        raw = self._data[info.offset:info.offset + n_bytes]
+        weight = PackedWeight.from_bytes(info.ggml_type, (rows, cols), np.array(raw))
+        if ".self_attn.q_proj." in name:
+            weight = weight.permute_rows(unpermute_order(rows, self.config.num_heads))
+        elif ".self_attn.k_proj." in name:
+            weight = weight.permute_rows(unpermute_order(rows, self.config.num_kv_heads))
+        return weight
+
     def __contains__(self, name: object) -> bool:
         # Mapping's default would read (dequantize) the tensor just to answer.
         return name in self._infos
@@ -89,18 +122,27 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._infos)
 
-    def _read(self, info: GGUFTensorInfo) -> torch.Tensor:
+    def _span(self, info: GGUFTensorInfo) -> tuple[GGMLQuantizationType, int]:
+        """The tensor's type and byte length, checked against the file."""
         try:
             qtype = GGMLQuantizationType(info.ggml_type)
             block_size, type_size = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError) as exc:
             raise ModelLoadError(f"{self.path}: tensor {info.name} has unknown type "
                                  f"{info.ggml_type}") from exc
-        *outer, inner = info.shape
+        if info.shape[-1] % block_size:
+            raise ModelLoadError(f"{self.path}: tensor {info.name}: rows of {info.shape[-1]} "
+                                 f"are not whole {qtype.name} blocks of {block_size}")
         n_bytes = math.prod(info.shape) // block_size * type_size
-        raw = self._data[info.offset:info.offset + n_bytes]
-        if raw.size != n_bytes:
+        if info.offset + n_bytes > self._data.size:
             raise ModelLoadError(f"{self.path}: tensor {info.name} runs past the end of the file")
+        return qtype, n_bytes
+
+    def _read(self, info: GGUFTensorInfo) -> torch.Tensor:
+        qtype, n_bytes = self._span(info)
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        *outer, inner = info.shape
+        raw = self._data[info.offset:info.offset + n_bytes]
         try:
             values = dequantize(raw.reshape(*outer, inner // block_size * type_size), qtype)
         except NotImplementedError as exc:

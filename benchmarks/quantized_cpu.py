@@ -1,0 +1,209 @@
+"""Packed GGUF weights on the CPU, side by side in one run: llama.cpp (llama-cpp-python) on the
+same GGUF file and threads, tidegate's engine on the packed weights, and tidegate's engine on
+the same weights dequantized to float32 (what it served before).
+
+Workloads (greedy; ``ignore_eos`` on tidegate's side, llama.cpp's generator never stops):
+  batch1  one chat prompt (the chat template around a question), 128 new tokens: prefill time
+          and ms per output token (the median decode step, and the mean).
+  mixed   32 requests, prompts uniform in 64-512 tokens, outputs uniform in 64-256
+          (``benchmarks/engine_cpu.py``'s workload), all submitted at t=0: output tokens/s.
+          tidegate only (llama-cpp-python serves one sequence at a time).
+
+Rounds alternate the runs (the host's speed drifts); each run's median round is reported.
+
+Usage:  python benchmarks/quantized_cpu.py [--threads 2] [--repeats 3] [--no-mixed]
+            [--out benchmarks/results/quantized_cpu.json] [--plot benchmarks/results/quantized_cpu.png]
+llama.cpp: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON" \\
+           pip install --no-deps llama-cpp-python diskcache   (the native build crashed here)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.engine_cpu import mixed_workload, run_tidegate  # noqa: E402
+from tidegate.protocol import SamplingParams  # noqa: E402
+from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
+from worker.models.loaders.loader import LoadedModel, load_model  # noqa: E402
+from worker.service.cpu_tuning import keep_large_allocations  # noqa: E402
+
+QUESTION = "What is the capital of France? Answer in one sentence, please."
+NEW_TOKENS = 128
+
+
+@dataclass
+class Batch1:
+    name: str
+    prompt_tokens: int
+    prefill_ms: float
+    decode_ms_median: float
+    decode_ms_mean: float
+    tokens: list[int]
+
+    @property
+    def tok_s(self) -> float:
+        return 1000.0 / self.decode_ms_mean
+
+
+def tidegate_batch1(name: str, loaded: LoadedModel, prompt: list[int]) -> Batch1:
+    engine = Engine(loaded.model, loaded.tokenizer,
+                    EngineConfig(max_model_len=2048, max_num_seqs=1, kv_cache_gb=0.25))
+    engine.add_request(EngineRequest("b1", prompt, SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)))
+    steps: list[float] = []
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        outs = engine.step()
+        steps.append(1000 * (time.perf_counter() - start))
+        tokens += [o.token_id for o in outs if o.token_id is not None]
+    decode = steps[1:]
+    return Batch1(name, len(prompt), steps[0], statistics.median(decode),
+                  statistics.fmean(decode), tokens)
+
+
+def llama_cpp_batch1(llm, prompt: list[int]) -> Batch1:  # noqa: ANN001
+    llm.reset()
+    times: list[float] = []
+    tokens: list[int] = []
+    last = time.perf_counter()
+    for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        now = time.perf_counter()
+        times.append(1000 * (now - last))
+        last = now
+        tokens.append(int(token))
+        if len(tokens) == NEW_TOKENS:
+            break
+    decode = times[1:]  # the first includes the prompt's evaluation
+    return Batch1("llama.cpp (llama-cpp-python)", len(prompt), times[0],
+                  statistics.median(decode), statistics.fmean(decode), tokens)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    b1 = [(k.removeprefix("b1 "), v) for k, v in runs.items() if k.startswith("b1 ")]
+    mixed = [(k.removeprefix("mixed "), v) for k, v in runs.items() if k.startswith("mixed ")]
+    fig, axes = plt.subplots(1, 2 if mixed else 1, figsize=(11 if mixed else 6, 4), squeeze=False)
+    ax = axes[0][0]
+    ax.bar([n for n, _ in b1], [v["decode_ms_mean"] for _, v in b1],
+           color=["#888", "#2ca02c", "#1f77b4"][:len(b1)])
+    ax.set_title(f"batch 1: ms per output token ({report['machine']['threads']} threads)")
+    for i, (_, v) in enumerate(b1):
+        ax.text(i, v["decode_ms_mean"], f"{v['decode_ms_mean']:.1f}", ha="center", va="bottom")
+    if mixed:
+        ax = axes[0][1]
+        ax.bar([n for n, _ in mixed], [v["output_tok_s"] for _, v in mixed],
+               color=["#2ca02c", "#1f77b4"])
+        ax.set_title("32 mixed requests: output tokens/s")
+    for ax in axes[0]:
+        ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-mixed", action="store_true", help="batch1 only")
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/quantized_cpu.json")
+    ap.add_argument("--plot", default="benchmarks/results/quantized_cpu.png")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw --plot from a written JSON")
+    args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), args.plot)
+        return
+
+    torch.set_num_threads(args.threads)
+    keep_large_allocations()
+    packed = load_model("smollm2", packed=True)
+    dequantized = load_model("smollm2", packed=False)
+    assert packed.source.path is not None
+    prompt = packed.tokenizer.encode_prompt(None, [{"role": "user", "content": QUESTION}])
+    llm = None
+    if not args.no_llama_cpp:
+        from llama_cpp import Llama
+
+        llm = Llama(str(packed.source.path), n_ctx=1024, n_threads=args.threads,
+                    n_threads_batch=args.threads, n_batch=512, verbose=False)
+    vocab = packed.config.vocab_size
+    mixed = mixed_workload(0, vocab)
+
+    rounds: list[dict[str, object]] = []
+    for r in range(args.repeats):
+        got: dict[str, object] = {}
+        if llm is not None:
+            got["b1 llama.cpp"] = llama_cpp_batch1(llm, prompt)
+        got["b1 tidegate packed"] = tidegate_batch1("tidegate, packed Q4_1/Q8_0", packed, prompt)
+        got["b1 tidegate float32"] = tidegate_batch1("tidegate, dequantized float32",
+                                                     dequantized, prompt)
+        if not args.no_mixed:
+            got["mixed tidegate packed"] = run_tidegate("mixed tidegate packed", packed, mixed)
+            got["mixed tidegate float32"] = run_tidegate("mixed tidegate float32", dequantized,
+                                                         mixed)
+        rounds.append(got)
+        print(f"round {r + 1}: " + ", ".join(
+            f"{k} {v.decode_ms_mean:.2f} ms/tok" if isinstance(v, Batch1)
+            else f"{k} {v.tokens_per_s:.1f} tok/s" for k, v in got.items()), flush=True)
+
+    def median_of(key: str):  # noqa: ANN202
+        runs = [rnd[key] for rnd in rounds]
+        score = (lambda v: v.decode_ms_mean) if isinstance(runs[0], Batch1) else (
+            lambda v: v.wall_s)
+        return sorted(runs, key=score)[len(runs) // 2], [round(score(v), 2) for v in runs]
+
+    report: dict[str, object] = {
+        "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+        "machine": {"cpu": platform.processor() or platform.machine(),
+                    "threads": args.threads, "torch": torch.__version__,
+                    "python": platform.python_version()},
+        "model": str(packed.source.path.name), "prompt_tokens": len(prompt),
+        "weight_mb": {"packed": round(packed.weight_bytes() / 1e6, 1),
+                      "float32": round(dequantized.weight_bytes() / 1e6, 1)},
+        "runs": {},
+    }
+    for key in rounds[0]:
+        best, all_rounds = median_of(key)
+        entry = asdict(best) if isinstance(best, Batch1) else best.summary()
+        entry.pop("tokens", None)
+        entry["rounds"] = all_rounds
+        if isinstance(best, Batch1):
+            entry["tok_s"] = round(best.tok_s, 1)
+        report["runs"][key] = entry  # type: ignore[index]
+    b1 = {k: median_of(k)[0] for k in rounds[0] if k.startswith("b1")}
+    report["greedy_first_divergence"] = {
+        "packed vs float32": first_divergence(b1["b1 tidegate packed"].tokens,
+                                              b1["b1 tidegate float32"].tokens),
+        **({"packed vs llama.cpp": first_divergence(b1["b1 tidegate packed"].tokens,
+                                                    b1["b1 llama.cpp"].tokens)}
+           if "b1 llama.cpp" in b1 else {}),
+    }
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        plot(report, args.plot)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

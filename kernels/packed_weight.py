@@ -1,0 +1,139 @@
+"""A weight matrix kept in llama.cpp's block formats (``PackedWeight``), as a GGUF file stores it.
+
+A matrix [N, K] is a stack of row ranges (parts), each in one GGML type, each part's rows its
+packed bytes ``[rows, row_bytes]`` (uint8). A single GGUF tensor is one part; fusing q/k/v or
+gate/up at load stacks their parts (in mixed files such as Q4_K_M, v and down are Q6_K while q
+and k are Q4_K, so a fused matrix may hold several types). Nothing here dequantizes a whole
+matrix except ``dequantize`` itself, the reference the kernels are checked against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+# The types the packed kernels compute (kernels/csrc/packed_linear_cpu.c), by GGML type id.
+PACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
+
+
+class UnsupportedType(ValueError):
+    """A GGML type the packed kernels do not implement."""
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    """Bytes of one row of ``cols`` values; raises ``UnsupportedType`` or ``ValueError``."""
+    kind = _type(qtype)
+    block, size = GGML_QUANT_SIZES[kind]
+    if cols % block:
+        raise ValueError(f"{kind.name} rows hold whole blocks of {block}; {cols} columns do not")
+    return cols // block * size
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows of one GGML type: ``data`` [rows, row_bytes] uint8, contiguous."""
+
+    qtype: int
+    data: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [N, K] matrix as packed row ranges (``parts``, top to bottom)."""
+
+    shape: tuple[int, int]
+    parts: tuple[Part, ...]
+
+    @classmethod
+    def from_bytes(cls, qtype: int, shape: tuple[int, int], data: torch.Tensor | np.ndarray
+                   ) -> PackedWeight:
+        """One GGUF tensor: ``shape`` (rows, cols) and its bytes (any shape of uint8)."""
+        rows, cols = shape
+        width = row_bytes(qtype, cols)
+        tensor = torch.as_tensor(data) if isinstance(data, torch.Tensor) else torch.from_numpy(
+            np.ascontiguousarray(data))
+        if tensor.dtype != torch.uint8 or tensor.numel() != rows * width:
+            raise ValueError(f"{_type(qtype).name} [{rows}, {cols}] needs {rows * width} bytes, "
+                             f"got {tensor.numel()} of {tensor.dtype}")
+        return cls((rows, cols), (Part(int(qtype), tensor.reshape(rows, width).contiguous()),))
+
+    @classmethod
+    def cat(cls, weights: list[PackedWeight]) -> PackedWeight:
+        """The matrices stacked row-wise (q, k, v -> qkv); adjacent parts of one type merge."""
+        cols = {w.shape[1] for w in weights}
+        if len(cols) != 1:
+            raise ValueError(f"cannot stack matrices of {sorted(cols)} columns")
+        parts: list[Part] = []
+        for part in (p for w in weights for p in w.parts):
+            if parts and parts[-1].qtype == part.qtype:
+                parts[-1] = Part(part.qtype, torch.cat([parts[-1].data, part.data]))
+            else:
+                parts.append(part)
+        return cls((sum(w.shape[0] for w in weights), cols.pop()), tuple(parts))
+
+    def permute_rows(self, order: torch.Tensor) -> PackedWeight:
+        """Rows reordered within one part (llama.cpp's q/k interleave undone at load)."""
+        if len(self.parts) != 1:
+            raise ValueError("rows are permuted per GGUF tensor, before stacking")
+        part = self.parts[0]
+        return PackedWeight(self.shape, (Part(part.qtype, part.data[order].contiguous()),))
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        return tuple(_type(p.qtype).name for p in self.parts)
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].data.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.numel() for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole matrix in float32 (the reference; llama.cpp's values, via gguf-py)."""
+        return torch.cat([_dequantize_part(p, self.shape[1]) for p in self.parts])
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` in float32, only those rows dequantized (the reference of embedding
+        lookups)."""
+        out = torch.empty(ids.numel(), self.shape[1])
+        ids = ids.reshape(-1).long()
+        start = 0
+        for part in self.parts:
+            mine = (ids >= start) & (ids < start + part.rows)
+            if bool(mine.any()):
+                picked = Part(part.qtype, part.data[ids[mine] - start])
+                out[mine] = _dequantize_part(picked, self.shape[1])
+            start += part.rows
+        return out
+
+
+def _type(qtype: int) -> GGMLQuantizationType:
+    try:
+        kind = GGMLQuantizationType(qtype)
+    except ValueError:
+        raise UnsupportedType(f"unknown GGML type {qtype}") from None
+    if kind not in PACKED_TYPES:
+        names = ", ".join(sorted(t.name for t in PACKED_TYPES))
+        raise UnsupportedType(f"GGML type {kind.name} is not implemented (packed types: {names})")
+    return kind
+
+
+def _dequantize_part(part: Part, cols: int) -> torch.Tensor:
+    kind = _type(part.qtype)
+    raw = part.data.numpy()
+    if kind == GGMLQuantizationType.F32:
+        values = raw.view(np.float32).reshape(part.rows, cols)
+    else:
+        values = gguf_dequantize(raw, kind).reshape(part.rows, cols)
+    return torch.from_numpy(np.array(values, dtype=np.float32))

@@ -1,0 +1,46 @@
+"""Model parts whose weights stay packed (``kernels.packed_weight``): a projection
+(``PackedLinear``) and an embedding table (``PackedEmbedding``) in GGUF block formats.
+
+They stand in for ``nn.Linear`` / ``nn.Embedding`` in a model whose file is quantized: the model
+calls ``ops.linear(x, module.weight)`` and ``module(ids)`` either way, and the kernels read the
+blocks directly. The weight is a plain attribute, not a parameter: it is never trained, cast or
+moved by ``Module.to``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import ops
+from kernels.packed_weight import PackedWeight
+
+
+class PackedLinear(nn.Module):
+    """``x @ weight.T`` over a packed [out_features, in_features] matrix."""
+
+    def __init__(self, weight: PackedWeight) -> None:
+        super().__init__()
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {'+'.join(self.weight.types)}"
+
+
+class PackedEmbedding(nn.Module):
+    """Rows of a packed [num_embeddings, dim] table, each dequantized when looked up."""
+
+    def __init__(self, weight: PackedWeight) -> None:
+        super().__init__()
+        self.weight = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return ops.embedding(ids, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {'+'.join(self.weight.types)}"
