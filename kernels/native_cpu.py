@@ -39,7 +39,8 @@ SOURCES = (CSRC / "paged_decode_cpu.c", CSRC / "linear_cpu.c",  # one shared obj
 # flush-to-zero for the whole process (every subnormal then reads as 0, in torch too).
 FAST_MATH = ["-fno-math-errno", "-fno-trapping-math", "-ffinite-math-only", "-fno-signed-zeros",
              "-fassociative-math", "-freciprocal-math"]
-FLAGS = ["-O3", "-march=native", *FAST_MATH, "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11",
+FLAGS = ["-O3", "-march=native", *FAST_MATH, "-ffp-contract=fast", "-fopenmp", "-fPIC",
+         "-shared", "-std=c11",
          # 512-bit vectors where the CPU has them (compilers default to 256 on AVX-512 parts).
          *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else [])]
 
@@ -198,9 +199,9 @@ class NativeCpuKernels:
         """Rows ``ids`` of ``weight`` in float32 [len(ids), K] (embedding lookups)."""
         ids = ids.reshape(-1).to(torch.int64)
         n, k = weight.shape
-        out = torch.empty(ids.numel(), k, dtype=torch.float32)
         if len(weight.parts) != 1:  # embeddings are one tensor; stacked matrices go per part
             return weight.dequantize_rows(ids)
+        out = torch.empty(ids.numel(), k, dtype=torch.float32)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
             raise IndexError(f"row ids out of range for {n} rows")
         part = weight.parts[0]

@@ -21,8 +21,8 @@ from kernels.paged_attention import paged_attention as paged_attention_cpu
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import rotary_ref
 
-__all__ = ["embedding", "fuses_projections", "linear", "norm_linear", "paged_attention", "paged_decode",
-           "rms_norm", "rotary", "rotary_store_kv", "silu_and_mul", "store_kv"]
+__all__ = ["embedding", "fuses_projections", "linear", "norm_linear", "paged_attention",
+           "paged_decode", "rms_norm", "rotary", "rotary_store_kv", "silu_and_mul", "store_kv"]
 
 
 def fuses_projections(x: torch.Tensor) -> bool:

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -31,7 +30,6 @@ from producer.submit.idempotency import Claim, ClaimInProgress
 from producer.submit.refusal import Refusal, refusal_of
 from producer.submit.request_body import read_json, with_header_key
 from producer.submit.submit_path import SubmitPath
-from tidegate.events.event_hub import EventHub
 from tidegate.http.auth import Auth, AuthError, job_access
 from tidegate.http.openapi import openapi_route
 from tidegate.jobstore import read_result, request_cancel
@@ -48,7 +46,6 @@ class ProducerAPI:
         self.settings = settings
         self.path = SubmitPath(settings, admission=admission, auth=auth)
         self.auth = self.path.auth
-        self.limiter = self.path.limiter
         # Stream URL bases by what they are made of (see _base_key): building one from the
         # request (Starlette's base_url) cost more than the rest of the answer.
         self._stream_base: dict[tuple[Any, ...], str] = {}
@@ -142,16 +139,7 @@ class ProducerAPI:
         """Prometheus: the queue per lane, the live workers and this process's rate-limit
         refusals by tenant id (no key: scrapers hold none; nothing here names a job)."""
         return await metrics_response(self.path.redis, self.settings.lane_partitions,
-                                      collectors=[self.limiter])
-
-    @property
-    def redis(self) -> aioredis.Redis:
-        return self.path.redis
-
-    @property
-    def hub(self) -> EventHub:
-        """Multiplexes the watchers of ``/v1/stream`` over one pub/sub connection."""
-        return self.path.hub
+                                      collectors=[self.path.limiter])
 
     def _stream_url(self, request: Request, job_id: str) -> str:
         base = self._stream_base.get(_base_key(request.scope))

@@ -43,4 +43,17 @@ static inline __attribute__((always_inline)) void tile(const float *w, int64_t k
     }
 }
 
+/* Weight rows w[0..nr) against every row of x [m_dim]: MR rows at a time, then the rest. */
+static inline void tile_rows(const float *w, int64_t k_dim, int nr, const float *x, int64_t ldx,
+                             float *y, int64_t ldy, int64_t m_dim) {
+    int64_t m = 0;
+    for (; m + MR <= m_dim; m += MR) tile(w, k_dim, nr, x + m * ldx, ldx, y + m * ldy, ldy, MR);
+    switch (m_dim - m) {
+    case 3: tile(w, k_dim, nr, x + m * ldx, ldx, y + m * ldy, ldy, 3); break;
+    case 2: tile(w, k_dim, nr, x + m * ldx, ldx, y + m * ldy, ldy, 2); break;
+    case 1: tile(w, k_dim, nr, x + m * ldx, ldx, y + m * ldy, ldy, 1); break;
+    default: break;
+    }
+}
+
 #endif

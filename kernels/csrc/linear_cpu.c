@@ -28,14 +28,6 @@ void tidegate_skinny_linear_f32(const float *x, const float *w, float *y, int64_
     for (int64_t t = 0; t < tiles; ++t) {
         const int64_t n0 = t * NR;
         const int nr = (int)(n_dim - n0 < NR ? n_dim - n0 : NR);
-        const float *wt = w + n0 * k_dim;
-        int64_t m = 0;
-        for (; m + MR <= m_dim; m += MR) tile(wt, k_dim, nr, x + m * ldx, ldx, y + m * ldy + n0, ldy, MR);
-        switch (m_dim - m) {
-        case 3: tile(wt, k_dim, nr, x + m * ldx, ldx, y + m * ldy + n0, ldy, 3); break;
-        case 2: tile(wt, k_dim, nr, x + m * ldx, ldx, y + m * ldy + n0, ldy, 2); break;
-        case 1: tile(wt, k_dim, nr, x + m * ldx, ldx, y + m * ldy + n0, ldy, 1); break;
-        default: break;
-        }
+        tile_rows(w + n0 * k_dim, k_dim, nr, x, ldx, y + n0, ldy, m_dim);
     }
 }

@@ -173,44 +173,27 @@ class LlamaModel(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return ops.linear(hidden, weight).float()
 
-    def adopt_packed(self, packed: Callable[[str], PackedWeight | None]) -> int:
+    def adopt_packed(self, packed: Callable[[str], PackedWeight | None]) -> None:
         """Swap in packed projections and embeddings wherever ``packed(hf_name)`` gives the
         weights packed (every part of a fused matrix must; else it stays float). Called on a
         model still on the meta device, so the float matrices it replaces are never
-        allocated; ``load_hf_state_dict`` then loads only what stayed float. Returns the
-        number of matrices swapped."""
-
-        def group(names: list[str]) -> PackedWeight | None:
-            parts = [packed(name) for name in names]
-            if any(p is None for p in parts):
-                return None
-            return PackedWeight.cat([p for p in parts if p is not None])
-
-        swapped = 0
+        allocated; ``load_hf_state_dict`` then loads only what stayed float."""
         embed = packed("model.embed_tokens.weight")
         if embed is not None:
             self.embed_tokens = PackedEmbedding(embed)  # type: ignore[assignment]
-            swapped += 1
         if self.lm_head is not None and (head := packed("lm_head.weight")) is not None:
             self.lm_head = PackedLinear(head)  # type: ignore[assignment]
-            swapped += 1
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            for attr, names in (
-                ("qkv_proj", [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")]),
-                ("o_proj", [p + "self_attn.o_proj.weight"]),
-                ("gate_up_proj", [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")]),
-                ("down_proj", [p + "mlp.down_proj.weight"]),
-            ):
-                weight = group(names)
-                if weight is not None:
-                    expected = tuple(getattr(layer, attr).weight.shape)
-                    if weight.shape != expected:
-                        raise ValueError(f"tensor {p}{attr}: shape {weight.shape}, "
-                                         f"expected {expected}")
-                    setattr(layer, attr, PackedLinear(weight))
-                    swapped += 1
-        return swapped
+            for attr, label, names in layer_matrices(i):
+                parts = [packed(name) for name in names]
+                if any(part is None for part in parts):
+                    continue
+                weight = PackedWeight.cat(parts)  # type: ignore[arg-type]
+                expected = tuple(getattr(layer, attr).weight.shape)
+                if weight.shape != expected:
+                    raise ValueError(f"tensor {label}: shape {weight.shape}, "
+                                     f"expected {expected}")
+                setattr(layer, attr, PackedLinear(weight))
 
     def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Load weights named as in HF ``LlamaForCausalLM``; raises naming any missing tensor.
@@ -223,8 +206,8 @@ class LlamaModel(nn.Module):
                 return torch.empty(0)
             return tensors[name]
 
-        def put(param: torch.Tensor | PackedWeight, value: torch.Tensor, name: str) -> None:
-            if value.numel() == 0 or isinstance(param, PackedWeight):
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if value.numel() == 0:
                 return
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(f"tensor {name}: shape {tuple(value.shape)}, "
@@ -242,22 +225,28 @@ class LlamaModel(nn.Module):
                 put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                if not packed(layer.qkv_proj):
-                    parts = [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
+                for attr, label, names in layer_matrices(i):
+                    if packed(getattr(layer, attr)):
+                        continue
+                    parts = [take(name) for name in names]
                     if all(x.numel() for x in parts):
-                        put(layer.qkv_proj.weight, torch.cat(parts), p + "qkv")
-                if not packed(layer.o_proj):
-                    put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "o_proj")
-                if not packed(layer.gate_up_proj):
-                    parts = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-                    if all(x.numel() for x in parts):
-                        put(layer.gate_up_proj.weight, torch.cat(parts), p + "gate_up")
-                if not packed(layer.down_proj):
-                    put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"),
-                        p + "down_proj")
+                        put(getattr(layer, attr).weight,
+                            parts[0] if len(parts) == 1 else torch.cat(parts), label)
                 put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm")
                 put(layer.post_attn_norm, take(p + "post_attention_layernorm.weight"),
                     p + "post_attention_layernorm")
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise KeyError(f"{len(missing)} weight tensors missing: {shown}")
+
+
+def layer_matrices(layer: int) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """Layer ``layer``'s projections: (attribute, name in errors, the HF tensors fused into it,
+    stacked row-wise in this order)."""
+    p = f"model.layers.{layer}."
+    return (
+        ("qkv_proj", p + "qkv", tuple(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+        ("o_proj", p + "o_proj", (p + "self_attn.o_proj.weight",)),
+        ("gate_up_proj", p + "gate_up", tuple(p + f"mlp.{n}_proj.weight" for n in ("gate", "up"))),
+        ("down_proj", p + "down_proj", (p + "mlp.down_proj.weight",)),
+    )

@@ -79,13 +79,9 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         self.config = self._config()
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        info = self._infos[name]
-        tensor = self._read(info)
-        if ".self_attn.q_proj." in name:
-            tensor = unpermute_qk(tensor, self.config.num_heads)
-        elif ".self_attn.k_proj." in name:
-            tensor = unpermute_qk(tensor, self.config.num_kv_heads)
-        return tensor
+        tensor = self._read(self._infos[name])
+        heads = self._permuted_heads(name)
+        return tensor if heads is None else unpermute_qk(tensor, heads)
 
     def packed(self, name: str) -> PackedWeight | None:
         """The matrix ``name`` in its file's block format, or None where it is not packed
@@ -93,24 +89,25 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         info = self._infos.get(name)
         if info is None or len(info.shape) != 2 or info.ggml_type == GGMLQuantizationType.F32:
             return None  # F32: float already, the float kernels serve it
-        if info.ggml_type not in PACKED_TYPES:
-            try:
-                kind = GGMLQuantizationType(info.ggml_type).name
-            except ValueError:
-                kind = f"type {info.ggml_type}"
+        qtype, n_bytes = self._span(info)
+        if qtype not in PACKED_TYPES:
             names = ", ".join(sorted(t.name for t in PACKED_TYPES))
             raise ModelLoadError(
-                f"{self.path}: tensor {info.name} is {kind}, which the packed kernels do not "
-                f"compute ({names}); --weights dequantized loads it as float")
+                f"{self.path}: tensor {info.name} is {qtype.name}, which the packed kernels do "
+                f"not compute ({names}); --weights dequantized loads it as float")
         rows, cols = info.shape
-        _, n_bytes = self._span(info)
         raw = self._data[info.offset:info.offset + n_bytes]
-        weight = PackedWeight.from_bytes(info.ggml_type, (rows, cols), np.array(raw))
+        weight = PackedWeight.from_bytes(qtype, (rows, cols), np.array(raw))
+        heads = self._permuted_heads(name)
+        return weight if heads is None else weight.permute_rows(unpermute_order(rows, heads))
+
+    def _permuted_heads(self, name: str) -> int | None:
+        """The head count whose rows llama.cpp interleaved in ``name`` (q or k), else None."""
         if ".self_attn.q_proj." in name:
-            weight = weight.permute_rows(unpermute_order(rows, self.config.num_heads))
-        elif ".self_attn.k_proj." in name:
-            weight = weight.permute_rows(unpermute_order(rows, self.config.num_kv_heads))
-        return weight
+            return self.config.num_heads
+        if ".self_attn.k_proj." in name:
+            return self.config.num_kv_heads
+        return None
 
     def __contains__(self, name: object) -> bool:
         # Mapping's default would read (dequantize) the tensor just to answer.

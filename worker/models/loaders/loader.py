@@ -14,7 +14,8 @@ the native kernels do not build, the matrices are dequantized to ``dtype`` as be
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -41,18 +42,17 @@ class LoadedModel:
     def weight_bytes(self) -> int:
         """Bytes the weights take in memory, packed matrices as stored."""
         total = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return total + sum(m.weight.nbytes for m in self.model.modules()
-                           if isinstance(getattr(m, "weight", None), PackedWeight))
+        return total + sum(w.nbytes for w in self._packed())
 
     def packed_types(self) -> list[str]:
         """The GGML types of the packed matrices, most common first ([] if none is packed)."""
-        counts: dict[str, int] = {}
+        counts = Counter(name for w in self._packed() for name in w.types)
+        return [name for name, _ in counts.most_common()]
+
+    def _packed(self) -> Iterator[PackedWeight]:
         for module in self.model.modules():
-            weight = getattr(module, "weight", None)
-            if isinstance(weight, PackedWeight):
-                for name in weight.types:
-                    counts[name] = counts.get(name, 0) + 1
-        return sorted(counts, key=lambda name: -counts[name])
+            if isinstance(weight := getattr(module, "weight", None), PackedWeight):
+                yield weight
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
