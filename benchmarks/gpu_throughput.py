@@ -14,6 +14,8 @@ Sections (``--only`` picks some; default all but ``hf``):
   offline   1000 prompts 256 in / 256 out, all submitted at once: output tok/s.
   mixed     256 prompts, input and output lengths uniform in 100-1024: output tok/s.
   hfset     tidegate on the prompt set of ``hf`` (256 prompts, 256 in / 256 out).
+  int4_batch1, int4_offline, int8_batch1: batch1 / offline with the projections quantized in
+            memory to weight-only INT4 (groups of 128) or INT8 (per channel), round to nearest.
   hf        HF transformers ``generate_batch`` (its continuous batching) on 256 prompts of
             256 in / 256 out, same weights shape, same GPU.
 
@@ -44,7 +46,12 @@ from tidegate.protocol import SamplingParams  # noqa: E402
 from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from worker.models.loaders.loader import load_model  # noqa: E402
 
-SECTIONS = ("ceilings", "kernels", "batch1", "profile1", "offline", "mixed", "hfset", "hf")
+SECTIONS = ("ceilings", "kernels", "batch1", "profile1", "offline", "mixed", "hfset", "hf",
+            "int4_batch1", "int4_offline", "int8_batch1")
+# Weight-only integer sections: the same random model, its projections quantized in memory
+# (round to nearest; INT4 in groups of 128, INT8 per channel), after the bf16 sections.
+INT_SECTIONS = {"int4_batch1": (4, 128, "batch1"), "int4_offline": (4, 128, "offline"),
+                "int8_batch1": (8, None, "batch1")}
 MODEL = "random:llama-3-8b"
 
 
@@ -177,7 +184,7 @@ def batch1(loaded, copy_tbs: float) -> dict[str, float]:
     # Decode-only time per token: the wall minus the prefill step, over the decode steps.
     tok_s = (res["output_tokens"] - 1) / (res["wall_s"] - res["ttft_p50_s"])
     cfg = loaded.config
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    weight_bytes = loaded.weight_bytes()  # integer matrices as stored
     # The embedding table is read one row per token, not streamed.
     weight_bytes -= loaded.model.embed_tokens.weight.numel() * 2
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
@@ -313,6 +320,29 @@ def main() -> None:
             results[name] = fn()
             save()
             print(name, json.dumps(results[name], default=float), flush=True)
+    quantized_as = None
+    for name, (bits, group, section) in INT_SECTIONS.items():
+        if name not in args.only:
+            continue
+        from worker.quantization.quantize import quantize_loaded
+
+        if quantized_as is not None and quantized_as != (bits, group):
+            loaded = None  # the bf16 weights are gone: load them again
+        if loaded is None or quantized_as != (bits, group):
+            if loaded is None:
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch.manual_seed(0)
+                loaded = load_model(MODEL, device="cuda", dtype=torch.bfloat16)
+            quantize_loaded(loaded.model, bits, group)
+            gc.collect()
+            torch.cuda.empty_cache()
+            quantized_as = (bits, group)
+        res = batch1(loaded, copy_tbs) if section == "batch1" else offline(loaded)
+        results[name] = {**res, "weight_bytes": loaded.weight_bytes(),
+                         "types": loaded.packed_types()}
+        save()
+        print(name, json.dumps(results[name], default=float), flush=True)
     if "hf" in args.only:
         del loaded
         torch.cuda.empty_cache()
@@ -326,7 +356,8 @@ def main() -> None:
     for row in results.get("kernels", []):  # type: ignore[union-attr]
         print(f"  {row['kernel']:<44} {row['ms']:8.3f} ms {row['TBps']:5.2f} TB/s "
               f"({100 * row['of_copy']:.0f}% of copy)")
-    for name in ("batch1", "profile1", "offline", "mixed", "hfset", "hf_generate_batch"):
+    for name in ("batch1", "profile1", "offline", "mixed", "hfset", "hf_generate_batch",
+                 *INT_SECTIONS):
         if name in results:
             print(name, {k: (round(v, 3) if isinstance(v, float) else v)
                          for k, v in results[name].items()})  # type: ignore[union-attr]

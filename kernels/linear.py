@@ -13,7 +13,9 @@ Same arithmetic throughout; results differ only in summation order.
 Packed GGUF weights (``kernels.packed_weight``) go to the native packed kernel
 (``csrc/packed_linear_cpu.c``), which dequantizes a strip of rows at a time into cache and
 multiplies it with float32 activations: the dequantized matrix's product up to summation order,
-which ``packed_linear_ref`` (dequantize, then ``linear_ref``) is.
+which ``packed_linear_ref`` (dequantize, then ``linear_ref``) is. Integer weights with group
+scales (``kernels.int_weight``: GPTQ, AWQ, compressed-tensors) take the same kernel with their
+own row dequantizer; ``int_linear_ref`` is theirs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul_ref
+from kernels.int_weight import IntWeight
 from kernels.native_cpu import native_kernels
 from kernels.packed_weight import PackedWeight
 from kernels.rmsnorm import rms_norm_ref
@@ -47,6 +50,12 @@ def packed_linear_ref(x: torch.Tensor, weight: PackedWeight, add: torch.Tensor |
     return linear_ref(x, weight.dequantize().to(x.dtype), add)
 
 
+def int_linear_ref(x: torch.Tensor, weight: IntWeight, add: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """The integer kernels' reference: the whole matrix dequantized, then ``linear_ref``."""
+    return linear_ref(x, weight.dequantize().to(x.dtype), add)
+
+
 def norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, silu: bool = False) -> torch.Tensor:
     """RMSNorm, then the projection, then (``silu``: weight holds gate then up rows) SwiGLU:
@@ -55,9 +64,14 @@ def norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     return silu_and_mul_ref(out) if silu else out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight,
            add: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K], weight [N, K] -> [M, N] (contiguous), plus ``add`` [M, N] if given."""
+    if isinstance(weight, IntWeight):
+        if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and (
+                native := native_kernels()) is not None:
+            return native.int_linear(x, weight, add)
+        return int_linear_ref(x, weight, add)
     if isinstance(weight, PackedWeight):
         if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and (
                 native := native_kernels()) is not None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kernels.dispatch import kernel_mode
+from kernels.int_weight import IntWeight
 from kernels.packed_weight import PackedWeight
 
 log = logging.getLogger("tidegate.kernels")
@@ -128,6 +129,11 @@ class NativeCpuKernels:
         fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int]
         fn.restype = ctypes.c_int
         self._packed_linear = fn
+        fn = self.lib.tidegate_int_linear_f32
+        fn.argtypes = ([ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 6
+                       + [ctypes.c_int64] * 5 + [ctypes.c_int])
+        fn.restype = ctypes.c_int
+        self._int_linear = fn
         fn = self.lib.tidegate_dequant_rows
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                        ctypes.c_int64, ctypes.c_void_p]
@@ -193,6 +199,38 @@ class NativeCpuKernels:
             if rc != 0:
                 raise ValueError(f"packed linear: GGML type {part.qtype} with {k} columns")
             row += part.rows
+        return out
+
+    def int_linear(self, x: torch.Tensor, weight: IntWeight,
+                   add: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] @ weight.dequantize() [N, K].T (+ add [M, N]) -> [M, N]; float32 CPU x.
+        Act-order weights read x's columns in their stored order (one gather of x)."""
+        n, k = weight.shape
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x {tuple(x.shape)} does not fit weight {weight.shape}")
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"x must be a float32 CPU tensor, got {x.dtype} on {x.device}")
+        if weight.perm is not None:
+            x = x.index_select(1, weight.perm)
+        elif x.stride(1) != 1:
+            x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty(m, n, dtype=torch.float32)
+        if add is not None:
+            if add.shape != (m, n) or add.dtype != torch.float32:
+                raise ValueError(f"add {tuple(add.shape)} does not fit the output {(m, n)}")
+            add = add.contiguous()
+        if m == 0:
+            return out
+        rc = self._int_linear(weight.bits, weight.group_size, x.data_ptr(),
+                              weight.qweight.data_ptr(), weight.scales.data_ptr(),
+                              weight.zeros.data_ptr(), out.data_ptr(),
+                              None if add is None else add.data_ptr(), m, n, k, x.stride(0), n,
+                              torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("int linear kernel could not allocate its scratch memory")
+        if rc != 0:
+            raise ValueError(f"int linear: {weight.bits} bits in groups of {weight.group_size}")
         return out
 
     def dequantize_rows(self, weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul_ref
 from kernels.dispatch import SERVE_ROWS, use_triton
+from kernels.int_weight import IntWeight
 from kernels.linear import linear as linear_impl
 from kernels.native_cpu import native_kernels, rms_norm_applies, rotary_store_kv_applies
 from kernels.packed_weight import PackedWeight
@@ -32,10 +33,17 @@ def fuses_projections(x: torch.Tensor) -> bool:
     return x.dim() == 2 and 0 < x.shape[0] <= SERVE_ROWS and use_triton(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight,
            add: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ add [M, N], the residual stream's add) -> [M, N].
-    ``weight`` may be packed GGUF blocks (``kernels.packed_weight``; CPU)."""
+    ``weight`` may be packed GGUF blocks (``kernels.packed_weight``; CPU) or integers with
+    group scales (``kernels.int_weight``; CPU and Triton, any number of rows)."""
+    if isinstance(weight, IntWeight):
+        if use_triton(x):
+            from kernels.int_linear_triton import int_linear_triton
+
+            return int_linear_triton(x, weight, add=add)
+        return linear_impl(x, weight, add)
     if fuses_projections(x) and not isinstance(weight, PackedWeight):
         from kernels.linear_triton import skinny_linear_triton
 
@@ -44,9 +52,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor | PackedWeight, silu: bool = False) -> torch.Tensor:
+                weight: torch.Tensor | PackedWeight | IntWeight, silu: bool = False
+                ) -> torch.Tensor:
     """rms_norm(x) @ weight.T, then silu(gate) * up if ``silu`` (weight: gate rows, then up
     rows); one weight stream with the norm and SiLU fused where the few-row kernel serves."""
+    if isinstance(weight, IntWeight) and fuses_projections(x):
+        from kernels.int_linear_triton import int_linear_triton
+
+        return int_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)
     if fuses_projections(x) and not isinstance(weight, PackedWeight):
         from kernels.linear_triton import skinny_linear_triton
 

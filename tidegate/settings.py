@@ -23,8 +23,9 @@ class Settings(BaseSettings):
     dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16|float16)$",
                        description="auto: float32 on CPU, bfloat16 on CUDA")
     weights: str = Field(default="auto", pattern="^(auto|packed|dequantized)$",
-                         description="GGUF matrices: auto (packed on the CPU), packed, or "
-                                     "dequantized to dtype")
+                         description="quantized matrices (GGUF, GPTQ, AWQ, compressed-"
+                                     "tensors): auto (kept packed where a kernel reads them), "
+                                     "packed, or dequantized to dtype")
     max_num_seqs: int = Field(default=32, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
     block_size: int = Field(default=16, ge=1, le=256)

@@ -244,14 +244,59 @@ int tidegate_dequant_rows(int t, const uint8_t *w, int64_t k, const int64_t *ids
 #define SR_MANY 24
 #define FEW_ROWS 4
 
-/* y[M, N] = x[M, K] @ dequant(w)[N, K]^T; add (if not NULL, [M, N] with row stride ldy) is
- * added to the result. Returns 0, -1 for an unknown type or K not whole blocks, -2 when
- * scratch memory cannot be had. */
-int tidegate_packed_linear_f32(int t, const float *x, const uint8_t *w, float *y,
-                               const float *add, int64_t m_dim, int64_t n_dim, int64_t k_dim,
-                               int64_t ldx, int64_t ldy, int num_threads) {
-    const int64_t rb = tidegate_packed_row_bytes(t, k_dim);
-    if (rb == 0) return -1;
+/* Where a strip's rows come from: a GGML type's packed rows, or an integer matrix with group
+ * scales and zero points (int_weight.py's layout). */
+struct row_source {
+    int ggml_type;        /* >= 0: GGML rows; -1: integers of `bits` bits */
+    const uint8_t *w;     /* row r starts at w + r * row_bytes */
+    int64_t row_bytes;
+    int bits;             /* integers: 4 or 8 */
+    int64_t group;        /* integers: columns per group */
+    const float *scales;  /* integers: [N, K / group] */
+    const uint8_t *zeros; /* integers: [N, K / group] */
+};
+
+/* One row of an integer matrix: (q - zero) * scale per group. 4 bits: each run of 32 columns
+ * is 16 bytes, low nibbles columns 0-15, high nibbles 16-31 (as Q4_0). */
+static void int_row(const struct row_source *src, int64_t r, int64_t k, float *y) {
+    const uint8_t *q = src->w + r * src->row_bytes;
+    const int64_t groups = k / src->group;
+    const float *sc = src->scales + r * groups;
+    const uint8_t *zp = src->zeros + r * groups;
+    for (int64_t g = 0; g < groups; ++g) {
+        const float s = sc[g], z = (float)zp[g];
+        const int64_t c0 = g * src->group, c1 = c0 + src->group;
+        if (src->bits == 8) {
+            int64_t c = c0;
+            for (; c + 16 <= c1; c += 16)
+                store16(y + c, (u8_to_f(*(const u8x16 *)(q + c)) - z) * s);
+            for (; c < c1; ++c) y[c] = ((float)q[c] - z) * s;
+        } else if (src->group % 32 == 0) { /* a group is whole runs of 32 */
+            for (int64_t c = c0; c < c1; c += 32) {
+                const u8x16 b = *(const u8x16 *)(q + c / 2);
+                store16(y + c, (u8_to_f(b & 0xF) - z) * s);
+                store16(y + c + 16, (u8_to_f(b >> 4) - z) * s);
+            }
+        } else { /* groups of 16: a group is one half (the low or high nibbles) of a run */
+            const u8x16 b = *(const u8x16 *)(q + (c0 - c0 % 32) / 2);
+            store16(y + c0, (u8_to_f(c0 % 32 ? b >> 4 : b & 0xF) - z) * s);
+        }
+    }
+}
+
+static inline void source_row(const struct row_source *src, int64_t r, int64_t k, float *y) {
+    if (src->ggml_type >= 0)
+        dequant_row(src->ggml_type, src->w + r * src->row_bytes, k, y);
+    else
+        int_row(src, r, k, y);
+}
+
+/* y[M, N] = x[M, K] @ rows(src)[N, K]^T (+ add): strips of weight rows dequantized into a
+ * buffer, each multiplied with every row of x. Returns 0, or -2 when scratch memory cannot be
+ * had. */
+static int strip_linear(const struct row_source *src, const float *x, float *y, const float *add,
+                        int64_t m_dim, int64_t n_dim, int64_t k_dim, int64_t ldx, int64_t ldy,
+                        int num_threads) {
     const int64_t sr = m_dim <= FEW_ROWS ? SR_FEW : SR_MANY;
     const int64_t strips = (n_dim + sr - 1) / sr;
     int failed = 0;
@@ -267,8 +312,7 @@ int tidegate_packed_linear_f32(int t, const float *x, const uint8_t *w, float *y
             for (int64_t s = 0; s < strips; ++s) {
                 const int64_t n0 = s * sr;
                 const int rows = (int)(n_dim - n0 < sr ? n_dim - n0 : sr);
-                for (int r = 0; r < rows; ++r)
-                    dequant_row(t, w + (n0 + r) * rb, k_dim, buf + r * k_dim);
+                for (int r = 0; r < rows; ++r) source_row(src, n0 + r, k_dim, buf + r * k_dim);
                 for (int r = 0; r < rows; r += NR) {
                     const int nr = rows - r < NR ? rows - r : NR;
                     tile_rows(buf + r * k_dim, k_dim, nr, x, ldx, y + n0 + r, ldy, m_dim);
@@ -281,4 +325,29 @@ int tidegate_packed_linear_f32(int t, const float *x, const uint8_t *w, float *y
         }
     }
     return failed ? -2 : 0;
+}
+
+/* y[M, N] = x[M, K] @ dequant(w)[N, K]^T; add (if not NULL, [M, N] with row stride ldy) is
+ * added to the result. Returns 0, -1 for an unknown type or K not whole blocks, -2 when
+ * scratch memory cannot be had. */
+int tidegate_packed_linear_f32(int t, const float *x, const uint8_t *w, float *y,
+                               const float *add, int64_t m_dim, int64_t n_dim, int64_t k_dim,
+                               int64_t ldx, int64_t ldy, int num_threads) {
+    const int64_t rb = tidegate_packed_row_bytes(t, k_dim);
+    if (rb == 0) return -1;
+    const struct row_source src = {t, w, rb, 0, 0, NULL, NULL};
+    return strip_linear(&src, x, y, add, m_dim, n_dim, k_dim, ldx, ldy, num_threads);
+}
+
+/* The same over an integer matrix (int_weight.py): q [N, K * bits / 8], scales and zeros
+ * [N, K / group]. Returns 0, -1 for bits other than 4 and 8 or a group that does not fit
+ * the layout, -2 when scratch memory cannot be had. */
+int tidegate_int_linear_f32(int bits, int64_t group, const float *x, const uint8_t *q,
+                            const float *scales, const uint8_t *zeros, float *y, const float *add,
+                            int64_t m_dim, int64_t n_dim, int64_t k_dim, int64_t ldx, int64_t ldy,
+                            int num_threads) {
+    if ((bits != 4 && bits != 8) || group <= 0 || k_dim % group) return -1;
+    if (bits == 4 && (k_dim % 32 || (group % 32 && group != 16))) return -1;
+    const struct row_source src = {-1, q, k_dim * bits / 8, bits, group, scales, zeros};
+    return strip_linear(&src, x, y, add, m_dim, n_dim, k_dim, ldx, ldy, num_threads);
 }

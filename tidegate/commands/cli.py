@@ -223,6 +223,59 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from worker.quantization.quantize import QuantizeError, QuantizeOptions, quantize_model
+
+    calibration = None
+    if args.calibration is not None:
+        try:
+            calibration = open(args.calibration, encoding="utf-8").read()  # noqa: SIM115
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"cannot read --calibration {args.calibration}: {exc}") from None
+    group: int | str | None = "auto"
+    if args.group_size != "auto":
+        try:
+            group = int(args.group_size)
+        except ValueError:
+            raise CliError(f"--group-size {args.group_size!r}: a number, -1 or auto") from None
+    if args.context < 2:
+        raise CliError("--context must be at least 2 tokens")
+    if args.max_windows < 1:
+        raise CliError("--max-windows must be at least 1")
+    options = QuantizeOptions(method=args.method, group_size=group,
+                              symmetric=not args.asymmetric, act_order=args.act_order,
+                              format=args.format, calibration=calibration,
+                              context=args.context, max_windows=args.max_windows)
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if not args.json and sys.stderr.isatty() or args.progress:
+            width = 30
+            bar = "#" * (width * done // total) + "." * (width - width * done // total)
+            print(f"\r{stage} [{bar}] {done}/{total}", end="" if done < total else "\n",
+                  file=sys.stderr, flush=True)
+
+    try:
+        report = quantize_model(args.src, Path(args.out), options, progress)
+    except QuantizeError as exc:
+        raise CliError(str(exc)) from None
+    summary = {"source": report.source, "out": str(report.out), "method": report.method,
+               "format": report.format, "bits": report.bits, "group_size": report.group_size,
+               "symmetric": report.symmetric, "act_order": report.act_order,
+               "linears": report.linears, "calibration_tokens": report.calibration_tokens,
+               "mb_written": round(report.bytes_written / 1e6, 1),
+               "seconds": round(report.seconds, 1)}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        group_text = "one group per row" if report.group_size == -1 else (
+            f"groups of {report.group_size}")
+        print(f"wrote {report.out} ({report.format}, {report.bits}-bit, {group_text}, "
+              f"{report.linears} linears, {summary['mb_written']} MB, {summary['seconds']} s)")
+    return 0
+
+
 def _add_common(p: argparse.ArgumentParser, *, model: bool = True, serve: bool = True) -> None:
     p.add_argument("--redis-url", help="Redis URL (env TIDEGATE_REDIS_URL or REDIS_URL)")
     if model:
@@ -238,8 +291,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="auto (default: float32 on cpu, bfloat16 on cuda), float32, "
                                    "bfloat16, float16")
     p.add_argument("--weights", choices=["auto", "packed", "dequantized"],
-                   help="a GGUF model's quantized matrices: packed in memory, read by the CPU's "
-                        "packed kernels (auto: on the CPU), or dequantized to --dtype")
+                   help="quantized matrices (GGUF; GPTQ, AWQ, compressed-tensors directories): "
+                        "kept packed and read by the kernels (auto: GGUF on the CPU, integer "
+                        "checkpoints on the CPU and CUDA), or dequantized to --dtype")
     p.add_argument("--max-num-seqs", type=int, help="requests batched at once (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="tokens per engine step: decodes plus prompt chunks (default 512)")
@@ -328,11 +382,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", help="auto (default), float32, bfloat16, float16")
     p.add_argument("--weights", choices=["auto", "packed", "dequantized"], default="auto",
-                   help="a GGUF model's matrices packed (auto: on the CPU) or dequantized")
+                   help="quantized matrices packed (auto: where a kernel reads them) or "
+                        "dequantized")
     p.add_argument("--json", action="store_true", help="one JSON line instead of text")
     p.add_argument("--progress", action="store_true", help="a progress bar even off a terminal")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
     p.set_defaults(func=cmd_eval_ppl)
+
+    p = sub.add_parser("quantize", help="write a quantized checkpoint of a model")
+    p.add_argument("src", help="HF model directory | .gguf | smollm2")
+    p.add_argument("out", help="directory to write (new or empty)")
+    p.add_argument("--method", required=True,
+                   choices=["rtn-int8", "rtn-int4", "gptq-int8", "gptq-int4"],
+                   help="rtn: round to nearest; gptq: GPTQ on --calibration text")
+    p.add_argument("--format", choices=["compressed-tensors", "gptq"],
+                   default="compressed-tensors",
+                   help="checkpoint layout (default compressed-tensors pack-quantized)")
+    p.add_argument("--group-size", default="auto",
+                   help="columns per scale: auto (int4: 128, 64 or 32, whichever divides "
+                        "every projection; int8: per channel), N, or -1 (per channel)")
+    p.add_argument("--asymmetric", action="store_true", help="zero points (default symmetric)")
+    p.add_argument("--act-order", action="store_true",
+                   help="GPTQ: quantize the most active columns first (needs --format gptq)")
+    p.add_argument("--calibration", help="UTF-8 text file (gptq methods)")
+    p.add_argument("--context", type=int, default=512, help="calibration window (tokens)")
+    p.add_argument("--max-windows", type=int, default=64, help="calibration windows at most")
+    p.add_argument("--json", action="store_true", help="one JSON line instead of text")
+    p.add_argument("--progress", action="store_true", help="a progress bar even off a terminal")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
+    p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("batch-worker", help="run batches (an arq worker; needs a real Redis)")
     p.add_argument("--redis-url", help="default: env TIDEGATE_REDIS_URL or REDIS_URL")

@@ -45,6 +45,10 @@ class Tokenizer:
         template_variables: Mapping[str, str | None] | None = None,
     ) -> None:
         self.backend = backend
+        # Kept as given so ``save`` writes back what was read.
+        self._saved = {"bos_token": bos_token, "eos_token": eos_token,
+                       "add_bos_token": add_bos, "chat_template": chat_template,
+                       **(template_variables or {})}
         self.bos_token_id: int | None = _token_id(backend, bos_token)
         self.add_bos = add_bos and self.bos_token_id is not None
         self.max_context = max_context
@@ -84,6 +88,21 @@ class Tokenizer:
         # post-processor adds none; BOS is added only if the model wants one and it is missing.
         ids = self.backend.encode(self.render_chat(plain), add_special_tokens=False).ids
         return self._with_bos(ids)
+
+    def save(self, model_dir: Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json (and the stop ids into
+        generation_config.json) as a Hugging Face directory holds them, so this tokenizer is
+        read back the same by tidegate and by transformers (``tidegate quantize`` of a GGUF)."""
+        model_dir.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(model_dir / "tokenizer.json"))
+        config = {k: v for k, v in self._saved.items() if v is not None}
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config["model_max_length"] = self.max_context
+        (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation = {"eos_token_id": sorted(self.eos_token_ids)}
+        if self.bos_token_id is not None:
+            generation["bos_token_id"] = self.bos_token_id  # type: ignore[assignment]
+        (model_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         bos = self.bos_token_id

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
+from kernels.int_weight import IntWeight
 from kernels.packed_weight import PackedWeight
 from kernels.rotary import Llama3Scaling, cos_sin_cache
 from worker.models.packed_modules import PackedEmbedding, PackedLinear
@@ -173,14 +174,17 @@ class LlamaModel(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return ops.linear(hidden, weight).float()
 
-    def adopt_packed(self, packed: Callable[[str], PackedWeight | None]) -> None:
+    def adopt_packed(self, packed: Callable[[str], PackedWeight | IntWeight | None]) -> None:
         """Swap in packed projections and embeddings wherever ``packed(hf_name)`` gives the
         weights packed (every part of a fused matrix must; else it stays float). Called on a
         model still on the meta device, so the float matrices it replaces are never
         allocated; ``load_hf_state_dict`` then loads only what stayed float."""
         embed = packed("model.embed_tokens.weight")
-        if embed is not None:
+        if isinstance(embed, PackedWeight):
             self.embed_tokens = PackedEmbedding(embed)  # type: ignore[assignment]
+        elif embed is not None:
+            raise ValueError("tensor model.embed_tokens.weight: integer embeddings are not "
+                             "implemented")
         if self.lm_head is not None and (head := packed("lm_head.weight")) is not None:
             self.lm_head = PackedLinear(head)  # type: ignore[assignment]
         for i, layer in enumerate(self.layers):
@@ -188,7 +192,7 @@ class LlamaModel(nn.Module):
                 parts = [packed(name) for name in names]
                 if any(part is None for part in parts):
                     continue
-                weight = PackedWeight.cat(parts)  # type: ignore[arg-type]
+                weight = _stack(parts, label)  # type: ignore[arg-type]
                 expected = tuple(getattr(layer, attr).weight.shape)
                 if weight.shape != expected:
                     raise ValueError(f"tensor {label}: shape {weight.shape}, "
@@ -238,6 +242,18 @@ class LlamaModel(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise KeyError(f"{len(missing)} weight tensors missing: {shown}")
+
+
+def _stack(parts: list[PackedWeight | IntWeight], label: str) -> PackedWeight | IntWeight:
+    """The fused matrix of a layer's parts, all of one kind."""
+    try:
+        if all(isinstance(p, IntWeight) for p in parts):
+            return IntWeight.cat(parts)  # type: ignore[arg-type]
+        if all(isinstance(p, PackedWeight) for p in parts):
+            return PackedWeight.cat(parts)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"tensor {label}: {exc}") from exc
+    raise ValueError(f"tensor {label}: its parts mix quantized formats")
 
 
 def layer_matrices(layer: int) -> tuple[tuple[str, str, tuple[str, ...]], ...]:

@@ -1,5 +1,6 @@
-"""Model parts whose weights stay packed (``kernels.packed_weight``): a projection
-(``PackedLinear``) and an embedding table (``PackedEmbedding``) in GGUF block formats.
+"""Model parts whose weights stay packed: a projection (``PackedLinear``) over GGUF blocks
+(``kernels.packed_weight``) or integers with group scales (``kernels.int_weight``: GPTQ, AWQ,
+compressed-tensors), and an embedding table (``PackedEmbedding``) in GGUF block formats.
 
 They stand in for ``nn.Linear`` / ``nn.Embedding`` in a model whose file is quantized: the model
 calls ``ops.linear(x, module.weight)`` and ``module(ids)`` either way, and the kernels read the
@@ -13,13 +14,14 @@ import torch
 from torch import nn
 
 from kernels import ops
+from kernels.int_weight import IntWeight
 from kernels.packed_weight import PackedWeight
 
 
 class PackedLinear(nn.Module):
     """``x @ weight.T`` over a packed [out_features, in_features] matrix."""
 
-    def __init__(self, weight: PackedWeight) -> None:
+    def __init__(self, weight: PackedWeight | IntWeight) -> None:
         super().__init__()
         self.weight = weight
         self.out_features, self.in_features = weight.shape

@@ -9,17 +9,22 @@ A GGUF file served on the CPU keeps its quantized matrices packed (``packed``): 
 projections and embedding hold the file's blocks and the native kernels read them, so the
 default model (Q4_1, 98 MB) stays 98 MB instead of 540 MB of float32. On accelerators, or where
 the native kernels do not build, the matrices are dequantized to ``dtype`` as before.
+
+A Hugging Face directory with a ``quantization_config`` (GPTQ, AWQ, compressed-tensors;
+``quantized/``) keeps its integer matrices as ``IntWeight``s, on the CPU (native kernel,
+float32) and on CUDA (Triton); elsewhere, or with ``packed=False``, they are dequantized.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from kernels.int_weight import IntWeight
 from kernels.native_cpu import native_kernels
 from kernels.packed_weight import PackedWeight
 from kernels.rotary import cos_sin_cache
@@ -28,6 +33,10 @@ from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
 from worker.models.llama import LlamaConfig, LlamaModel
 from worker.models.loaders.gguf_weights import GGUFWeights
 from worker.models.loaders.hf_weights import SafetensorsWeights
+from worker.models.loaders.quantized.quantized_safetensors import (
+    QuantizedSafetensors,
+    quantization_config,
+)
 from worker.models.loaders.random_weights import init_random_weights, preset_llama_config
 
 
@@ -45,13 +54,14 @@ class LoadedModel:
         return total + sum(w.nbytes for w in self._packed())
 
     def packed_types(self) -> list[str]:
-        """The GGML types of the packed matrices, most common first ([] if none is packed)."""
+        """The types of the packed matrices (GGML types, or int4-g128 and the like), most
+        common first ([] if none is packed)."""
         counts = Counter(name for w in self._packed() for name in w.types)
         return [name for name, _ in counts.most_common()]
 
-    def _packed(self) -> Iterator[PackedWeight]:
+    def _packed(self) -> Iterator[PackedWeight | IntWeight]:
         for module in self.model.modules():
-            if isinstance(weight := getattr(module, "weight", None), PackedWeight):
+            if isinstance(weight := getattr(module, "weight", None), PackedWeight | IntWeight):
                 yield weight
 
 
@@ -87,23 +97,62 @@ def load_model(
         init_random_weights(model, seed)
     else:
         assert source.path is not None
-        weights = (GGUFWeights(source.path) if source.kind == "gguf"
-                   else SafetensorsWeights(source.path))
+        quantized = source.kind == "hf" and quantization_config(source.path) is not None
+        weights: GGUFWeights | SafetensorsWeights | QuantizedSafetensors = (
+            GGUFWeights(source.path) if source.kind == "gguf"
+            else QuantizedSafetensors(source.path) if quantized
+            else SafetensorsWeights(source.path))
         config = weights.config
+        serves = int_serves(device, dtype) if quantized else packed_serves(device, dtype)
         if packed is None:
-            packed = packed_serves(device, dtype)
-        elif packed and not packed_serves(device, dtype):
-            raise ModelLoadError(f"{source.path}: packed weights run on the CPU in float32 with "
-                                 "the native kernels (TIDEGATE_KERNELS auto or native)")
+            packed = serves
+        elif packed and not serves:
+            raise ModelLoadError(
+                f"{source.path}: packed weights run on the CPU in float32 with the native "
+                "kernels (TIDEGATE_KERNELS auto or native)" + (", or on CUDA" if quantized
+                                                              else ""))
         try:
             if packed and isinstance(weights, GGUFWeights):
                 model = empty_model(config, device, dtype, packed=weights.packed)
+            elif packed and isinstance(weights, QuantizedSafetensors):
+                model = empty_model(config, device, dtype, packed=weights.int_weight)
             else:
                 model = empty_model(config, device, dtype)
-            model.load_hf_state_dict(weights)
+            model.load_hf_state_dict(
+                DequantizedView(weights) if isinstance(weights, QuantizedSafetensors)
+                else weights)
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(f"{source.path}: {exc}") from exc
     return LoadedModel(model, config, tokenizer, source, time.perf_counter() - start)
+
+
+def int_serves(device: str | torch.device, dtype: torch.dtype) -> bool:
+    """Whether the integer kernels serve a model on ``device`` in ``dtype``: Triton on CUDA,
+    the native kernel on the CPU in float32."""
+    return torch.device(device).type == "cuda" or packed_serves(device, dtype)
+
+
+class DequantizedView(Mapping[str, torch.Tensor]):
+    """A quantized checkpoint's tensors as float: its integer matrices dequantized (what a
+    model that keeps nothing packed loads)."""
+
+    def __init__(self, weights: QuantizedSafetensors) -> None:
+        self.weights = weights
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if (weight := self.weights.int_weight(name)) is not None:
+            return weight.dequantize()
+        return self.weights[name]
+
+    def __contains__(self, name: object) -> bool:
+        return (isinstance(name, str) and self.weights.int_weight(name) is not None
+                ) or name in self.weights
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
 
 
 def packed_serves(device: str | torch.device, dtype: torch.dtype) -> bool:
@@ -113,7 +162,8 @@ def packed_serves(device: str | torch.device, dtype: torch.dtype) -> bool:
 
 
 def empty_model(config: LlamaConfig, device: str | torch.device, dtype: torch.dtype, *,
-                packed: Callable[[str], PackedWeight | None] | None = None) -> LlamaModel:
+                packed: Callable[[str], PackedWeight | IntWeight | None] | None = None
+                ) -> LlamaModel:
     """A model with uninitialised weights allocated once, in ``dtype`` on ``device``.
 
     Built on the meta device first so an 8B model never exists as a float32 CPU copy; the rope
@@ -126,6 +176,9 @@ def empty_model(config: LlamaConfig, device: str | torch.device, dtype: torch.dt
     if packed is not None:
         model.adopt_packed(packed)
     model = model.to(dtype=dtype).to_empty(device=device)
+    for module in model.modules():  # packed weights are attributes, which Module.to leaves
+        if isinstance(weight := getattr(module, "weight", None), IntWeight):
+            module.weight = weight.to(device)
     model.rope_cache = cos_sin_cache(
         config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
     ).to(device)

@@ -1,0 +1,280 @@
+"""``tidegate quantize``: a float model (HF directory or GGUF) -> a quantized HF checkpoint.
+
+Every linear layer of the decoder (q/k/v/o, gate/up/down) becomes integers with a scale and
+zero point per group; embeddings, norms and the LM head stay float (as the W4A16/W8A16 schemes
+of compressed-tensors, GPTQ and AWQ checkpoints leave them). Methods:
+
+* ``rtn-int8`` / ``rtn-int4``: round to nearest, no data needed;
+* ``gptq-int4`` / ``gptq-int8``: GPTQ (``gptq.py``) on calibration text, layer by layer: each
+  layer's projections see the inputs the already quantized layers before them produce, and
+  q/k/v (and gate/up) share their inputs' Hessian.
+
+The checkpoint is written by ``checkpoint_writer`` in compressed-tensors' pack-quantized
+format (default) or GPTQ's, with config.json and the tokenizer, so tidegate, transformers and
+vLLM read it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kernels import ops
+from kernels.int_weight import IntWeight
+from tidegate.model_files.model_source import ModelLoadError, ModelSource, resolve_model
+from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
+from worker.models.llama import (
+    CausalAttention,
+    DecoderLayer,
+    LlamaConfig,
+    LlamaModel,
+    layer_matrices,
+)
+from worker.models.loaders.gguf_weights import GGUFWeights
+from worker.models.loaders.hf_weights import SafetensorsWeights
+from worker.models.loaders.loader import load_model
+from worker.models.packed_modules import PackedLinear
+from worker.quantization.gptq import HessianStats, gptq_quantize
+
+# method -> (bits, algorithm)
+METHODS: dict[str, tuple[int, str]] = {
+    "rtn-int8": (8, "rtn"), "rtn-int4": (4, "rtn"),
+    "gptq-int8": (8, "gptq"), "gptq-int4": (4, "gptq"),
+}
+FORMATS = ("compressed-tensors", "gptq")
+# Tried largest first when the group size is "auto" (4 bits): the first that divides every
+# projection's input width (SmolLM2-135M's 576 takes 64).
+AUTO_GROUPS = (128, 64, 32)
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+class QuantizeError(ValueError):
+    """Bad arguments or an unusable source model (the CLI prints it, exit code 2)."""
+
+
+@dataclass
+class QuantizeOptions:
+    method: str
+    group_size: int | None | str = "auto"  # None / -1: one group per row
+    symmetric: bool = True
+    act_order: bool = False  # GPTQ only
+    format: str = "compressed-tensors"
+    calibration: str | None = None  # text, for GPTQ
+    context: int = 512  # calibration tokens per window
+    max_windows: int = 64
+    damp: float = 0.01
+
+
+@dataclass
+class QuantizeReport:
+    source: str
+    out: Path
+    method: str
+    bits: int
+    group_size: int  # -1: one group per row
+    symmetric: bool
+    act_order: bool
+    format: str
+    linears: int
+    calibration_tokens: int
+    seconds: float
+    bytes_written: int
+    kinds: list[str] = field(default_factory=list)
+
+
+def quantize_model(spec: str, out: Path, options: QuantizeOptions,
+                   progress: Progress | None = None) -> QuantizeReport:
+    """Quantize the model ``spec`` (HF directory, .gguf, or a packaged name) into ``out``."""
+    start = time.perf_counter()
+    if options.method not in METHODS:
+        raise QuantizeError(f"--method {options.method!r}: one of {', '.join(METHODS)}")
+    if options.format not in FORMATS:
+        raise QuantizeError(f"--format {options.format!r}: one of {', '.join(FORMATS)}")
+    bits, algorithm = METHODS[options.method]
+    if algorithm == "gptq" and not options.calibration:
+        raise QuantizeError(f"--method {options.method} calibrates: give --calibration FILE")
+    if options.act_order and algorithm != "gptq":
+        raise QuantizeError("--act-order is a GPTQ option (gptq-int4, gptq-int8)")
+    if options.act_order and options.format != "gptq":
+        raise QuantizeError("--act-order checkpoints are written in the gptq format "
+                            "(--format gptq)")
+    if out.exists() and any(out.iterdir()):
+        raise QuantizeError(f"{out} exists and is not empty")
+    source, config, tensors, tokenizer = _source(spec)
+    group = _group_size(config, bits, options.group_size)
+
+    weights: dict[str, IntWeight] = {}
+    calibration_tokens = 0
+    if algorithm == "rtn":
+        names = [n for i in range(config.num_layers) for _, _, ns in layer_matrices(i) for n in ns]
+        for done, name in enumerate(names, 1):
+            weights[name] = IntWeight.quantize(tensors[name], bits, group, options.symmetric)
+            if progress is not None:
+                progress("quantize", done, len(names))
+    else:
+        assert options.calibration is not None
+        windows = _windows(tokenizer, options.calibration, options.context, options.max_windows)
+        calibration_tokens = sum(w.numel() for w in windows)
+        weights = _gptq_model(source, config, windows, bits, group, options, progress)
+
+    from worker.quantization.checkpoint_writer import write_checkpoint
+
+    written = write_checkpoint(out, config, tensors, weights, tokenizer,
+                               format=options.format, symmetric=options.symmetric)
+    return QuantizeReport(
+        source=source.name, out=out, method=options.method, bits=bits,
+        group_size=-1 if group is None else group, symmetric=options.symmetric,
+        act_order=options.act_order, format=options.format, linears=len(weights),
+        calibration_tokens=calibration_tokens, seconds=time.perf_counter() - start,
+        bytes_written=written, kinds=sorted({k for w in weights.values() for k in w.types}))
+
+
+def _source(spec: str) -> tuple[ModelSource, LlamaConfig, Mapping[str, torch.Tensor], Tokenizer]:
+    try:
+        source = resolve_model(spec)
+    except ModelLoadError as exc:
+        raise QuantizeError(str(exc)) from None
+    if source.kind == "random" or source.path is None:
+        raise QuantizeError(f"{spec}: quantize reads a model file (an HF directory or a .gguf)")
+    try:
+        if source.kind == "gguf":
+            weights: GGUFWeights | SafetensorsWeights = GGUFWeights(source.path)
+        else:
+            from worker.models.loaders.quantized.quantized_safetensors import quantization_config
+
+            if quantization_config(source.path) is not None:
+                raise QuantizeError(f"{source.path} is already quantized "
+                                    "(its config.json has a quantization_config)")
+            weights = SafetensorsWeights(source.path)
+        tokenizer = load_tokenizer(source)
+    except ModelLoadError as exc:
+        raise QuantizeError(str(exc)) from None
+    return source, weights.config, weights, tokenizer
+
+
+def _group_size(config: LlamaConfig, bits: int, group: int | None | str) -> int | None:
+    """The group size every projection takes (None: one group per row)."""
+    widths = {config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size}
+    if group == "auto":
+        if bits == 8:
+            return None  # W8A16's usual scheme: a scale per output channel
+        for g in AUTO_GROUPS:
+            if all(w % g == 0 for w in widths):
+                return g
+        return None
+    if group in (None, -1):
+        return None
+    if not isinstance(group, int) or group <= 0:
+        raise QuantizeError(f"--group-size {group!r}: a positive number, -1 or auto")
+    bad = sorted(w for w in widths if w % group)
+    if bad:
+        raise QuantizeError(f"--group-size {group} does not divide the projections' input "
+                            f"widths {bad}")
+    if group % 16 or (bits == 4 and group % 32 and group != 16):
+        raise QuantizeError(f"--group-size {group}: a multiple of 32 (or 16), or -1")
+    return group
+
+
+def _windows(tokenizer: Tokenizer, text: str, context: int, max_windows: int
+             ) -> list[torch.Tensor]:
+    ids = tokenizer.encode(text)
+    if len(ids) < 2:
+        raise QuantizeError("the calibration text has fewer than 2 tokens")
+    context = min(context, len(ids))
+    count = min(max_windows, len(ids) // context)
+    return [torch.tensor(ids[i * context:(i + 1) * context]) for i in range(count)]
+
+
+def _gptq_model(source: ModelSource, config: LlamaConfig, windows: list[torch.Tensor],
+                bits: int, group: int | None, options: QuantizeOptions,
+                progress: Progress | None) -> dict[str, IntWeight]:
+    """GPTQ layer by layer over the calibration windows (float32 on the CPU)."""
+    loaded = load_model(source, device="cpu", dtype=torch.float32, packed=False)
+    model = loaded.model
+    hidden = [model.embed_tokens(w) for w in windows]
+    residual: list[torch.Tensor | None] = [None] * len(windows)
+    positions = [torch.arange(w.numel()) for w in windows]
+    out: dict[str, IntWeight] = {}
+    with torch.inference_mode():
+        for i, layer in enumerate(model.layers):
+            stats = {attr: HessianStats(getattr(layer, attr).weight.shape[1])
+                     for attr, _, _ in layer_matrices(i)}
+            for w in range(len(windows)):
+                _run_layer(layer, i, hidden[w], residual[w], positions[w], model.rope_cache,
+                           stats)
+            for attr, _, names in layer_matrices(i):
+                fused = getattr(layer, attr).weight
+                h = stats[attr].matrix()
+                row = 0
+                quantized = []
+                for name in names:
+                    rows = _rows_of(config, name)
+                    q = gptq_quantize(fused[row:row + rows], h, bits, group, options.symmetric,
+                                      options.act_order, options.damp)
+                    out[name] = q
+                    quantized.append(q.dequantize())
+                    row += rows
+                # The next layers calibrate on what the quantized layer computes.
+                fused.copy_(torch.cat(quantized))
+            for w in range(len(windows)):
+                hidden[w], residual[w] = _run_layer(layer, i, hidden[w], residual[w],
+                                                    positions[w], model.rope_cache, None)
+            if progress is not None:
+                progress("gptq layers", i + 1, len(model.layers))
+    return out
+
+
+def _rows_of(config: LlamaConfig, name: str) -> int:
+    if ".k_proj." in name or ".v_proj." in name:
+        return config.num_kv_heads * config.head_dim
+    if ".q_proj." in name:
+        return config.num_heads * config.head_dim
+    if ".gate_proj." in name or ".up_proj." in name:
+        return config.intermediate_size
+    return config.hidden_size  # o_proj, down_proj
+
+
+def _run_layer(layer: DecoderLayer, index: int, hidden: torch.Tensor,
+               residual: torch.Tensor | None, positions: torch.Tensor, rope: torch.Tensor,
+               stats: dict[str, HessianStats] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer on one window (its unfused CPU path), recording each projection's
+    input in ``stats`` when given."""
+    eps = layer.cfg.rms_norm_eps
+    x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
+    if stats is not None:
+        stats["qkv_proj"].add(x)
+    out = layer._attention(ops.linear(x, layer.qkv_proj.weight), positions, rope,
+                           CausalAttention(), index)
+    if stats is not None:
+        stats["o_proj"].add(out)
+    x, residual = ops.rms_norm(ops.linear(out, layer.o_proj.weight), layer.post_attn_norm, eps,
+                               residual)
+    if stats is not None:
+        stats["gate_up_proj"].add(x)
+    act = ops.silu_and_mul(ops.linear(x, layer.gate_up_proj.weight))
+    if stats is not None:
+        stats["down_proj"].add(act)
+    return ops.linear(act, layer.down_proj.weight), residual
+
+
+def quantize_loaded(model: LlamaModel, bits: int, group_size: int | None = None,
+                    symmetric: bool = True) -> int:
+    """Round-to-nearest quantization of a loaded model's decoder projections in place, on its
+    device (benchmarks of random-weight models; a real checkpoint goes through
+    ``quantize_model``). Returns how many matrices were quantized."""
+    count = 0
+    for i, layer in enumerate(model.layers):
+        for attr, _, _ in layer_matrices(i):
+            module = getattr(layer, attr)
+            if isinstance(module, PackedLinear):
+                continue
+            weight = IntWeight.quantize(module.weight.data, bits, group_size, symmetric)
+            setattr(layer, attr, PackedLinear(weight))
+            del module
+            count += 1
+    return count
