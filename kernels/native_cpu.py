@@ -173,18 +173,8 @@ class NativeCpuKernels:
                       add: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ dequant(weight) [N, K].T (+ add [M, N]) -> [M, N]; float32 CPU x."""
         n, k = weight.shape
-        if x.dim() != 2 or x.shape[1] != k:
-            raise ValueError(f"x {tuple(x.shape)} does not fit weight {weight.shape}")
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(f"x must be a float32 CPU tensor, got {x.dtype} on {x.device}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
+        x, out, add = _projection_operands(x, weight.shape, add)
         m = x.shape[0]
-        out = torch.empty(m, n, dtype=torch.float32)
-        if add is not None:
-            if add.shape != (m, n) or add.dtype != torch.float32:
-                raise ValueError(f"add {tuple(add.shape)} does not fit the output {(m, n)}")
-            add = add.contiguous()
         if m == 0:
             return out
         threads = torch.get_num_threads()
@@ -206,20 +196,10 @@ class NativeCpuKernels:
         """x [M, K] @ weight.dequantize() [N, K].T (+ add [M, N]) -> [M, N]; float32 CPU x.
         Act-order weights read x's columns in their stored order (one gather of x)."""
         n, k = weight.shape
-        if x.dim() != 2 or x.shape[1] != k:
-            raise ValueError(f"x {tuple(x.shape)} does not fit weight {weight.shape}")
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(f"x must be a float32 CPU tensor, got {x.dtype} on {x.device}")
+        x, out, add = _projection_operands(x, weight.shape, add)
         if weight.perm is not None:
             x = x.index_select(1, weight.perm)
-        elif x.stride(1) != 1:
-            x = x.contiguous()
         m = x.shape[0]
-        out = torch.empty(m, n, dtype=torch.float32)
-        if add is not None:
-            if add.shape != (m, n) or add.dtype != torch.float32:
-                raise ValueError(f"add {tuple(add.shape)} does not fit the output {(m, n)}")
-            add = add.contiguous()
         if m == 0:
             return out
         rc = self._int_linear(weight.bits, weight.group_size, x.data_ptr(),
@@ -308,6 +288,25 @@ class NativeCpuKernels:
         if rc != 0:
             raise MemoryError("paged decode kernel could not allocate its scratch memory")
         return out
+
+
+def _projection_operands(x: torch.Tensor, shape: tuple[int, int], add: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The checked operands of x [M, K] @ W [N, K].T (+ add [M, N]): x with unit column
+    stride, the empty output [M, N], and add made contiguous."""
+    n, k = shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)} does not fit weight {shape}")
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 CPU tensor, got {x.dtype} on {x.device}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    if add is not None:
+        if add.shape != (m, n) or add.dtype != torch.float32:
+            raise ValueError(f"add {tuple(add.shape)} does not fit the output {(m, n)}")
+        add = add.contiguous()
+    return x, torch.empty(m, n, dtype=torch.float32), add
 
 
 _lock = threading.Lock()

@@ -11,15 +11,6 @@ import torch
 from kernels import ops
 from kernels.int_weight import IntWeight, pack, rtn, unpack
 from kernels.linear import int_linear_ref
-from kernels.native_cpu import native_kernels
-
-
-@pytest.fixture(scope="module")
-def native():  # noqa: ANN201
-    lib = native_kernels()
-    if lib is None:
-        pytest.skip("native CPU kernels do not build here")
-    return lib
 
 
 def random_int(n: int, k: int, bits: int, group: int | None, perm: bool = False) -> IntWeight:
@@ -77,10 +68,12 @@ def test_native_kernel_matches_reference(native, bits: int, group: int | None, m
     w = random_int(n, k, bits, group, perm)
     x = torch.randn(m, k + 8)[:, :k]  # a strided view
     add = torch.randn(m, n)
+    # Weights up to +-28 against 256 columns: float32 sums of ~3000 in magnitude, which two
+    # summation orders round apart by up to ~3e-4.
     torch.testing.assert_close(native.int_linear(x, w), int_linear_ref(x, w),
-                               rtol=1e-5, atol=1e-4)
+                               rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(ops.linear(x, w, add=add), int_linear_ref(x, w, add),
-                               rtol=1e-5, atol=1e-4)
+                               rtol=1e-5, atol=1e-3)
 
 
 def test_rows_do_not_depend_on_the_batch(native) -> None:  # noqa: ANN001

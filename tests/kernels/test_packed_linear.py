@@ -12,20 +12,11 @@ from gguf.quants import quantize
 
 from kernels import ops
 from kernels.linear import packed_linear_ref
-from kernels.native_cpu import native_kernels
 from kernels.packed_weight import PACKED_TYPES, PackedWeight, UnsupportedType, row_bytes
 
 T = GGMLQuantizationType
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 TYPES = sorted(PACKED_TYPES, key=int)
-
-
-@pytest.fixture(scope="module")
-def native():  # noqa: ANN201
-    lib = native_kernels()
-    if lib is None:
-        pytest.skip("native CPU kernels do not build here")
-    return lib
 
 
 def random_packed(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> PackedWeight:
