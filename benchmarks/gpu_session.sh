@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call: set up, run the GPU tests, then the GPU benchmark sections asked for.
 #
-#   bash benchmarks/gpu_session.sh [tests|int-tests|engine-tests|none] [gpu_throughput.py sections...]
+#   bash benchmarks/gpu_session.sh [tests|int-tests|kv-tests|engine-tests|none] [gpu_throughput.py sections...]
 #
 # Run from the repository root on the device machine (the `device` tool's `run`), with $OUT set.
 # Carried, when present (all git-ignored):
@@ -45,6 +45,11 @@ case "$what" in
     timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default \
       tests/gpu/test_gpu_int_linear.py tests/gpu/test_gpu_int_model.py tests/gpu/test_gpu_linear.py \
       tests/kernels/test_int_linear_triton.py --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -40
+    ;;
+  kv-tests)  # the FP8 KV cache, and the attention and store kernels it changes
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default \
+      tests/gpu/test_gpu_fp8_kv.py tests/gpu/test_gpu_attention.py \
+      tests/gpu/test_gpu_elementwise.py --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -40
     ;;
   engine-tests)
     TIDEGATE_GPU_REPORT="$OUT/agreement.json" timeout 300 python3 -m pytest -q -s \

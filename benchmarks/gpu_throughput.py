@@ -14,6 +14,7 @@ Sections (``--only`` picks some; default all but ``hf``):
   offline   1000 prompts 256 in / 256 out, all submitted at once: output tok/s.
   mixed     256 prompts, input and output lengths uniform in 100-1024: output tok/s.
   hfset     tidegate on the prompt set of ``hf`` (256 prompts, 256 in / 256 out).
+  kv_fp8_batch1: batch1 with the FP8 (e4m3) KV cache; both report the cache's tokens.
   int4_batch1, int4_offline, int8_batch1: batch1 / offline with the projections quantized in
             memory to weight-only INT4 (groups of 128) or INT8 (per channel), round to nearest.
   hf        HF transformers ``generate_batch`` (its continuous batching) on 256 prompts of
@@ -46,8 +47,8 @@ from tidegate.protocol import SamplingParams  # noqa: E402
 from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from worker.models.loaders.loader import load_model  # noqa: E402
 
-SECTIONS = ("ceilings", "kernels", "batch1", "profile1", "offline", "mixed", "hfset", "hf",
-            "int4_batch1", "int4_offline", "int8_batch1")
+SECTIONS = ("ceilings", "kernels", "batch1", "kv_fp8_batch1", "profile1", "offline", "mixed",
+            "hfset", "hf", "int4_batch1", "int4_offline", "int8_batch1")
 # Weight-only integer sections: the same random model, its projections quantized in memory
 # (round to nearest; INT4 in groups of 128, INT8 per channel), after the bf16 sections.
 INT_SECTIONS = {"int4_batch1": (4, 128, "batch1"), "int4_offline": (4, 128, "offline"),
@@ -136,14 +137,15 @@ def kernel_bandwidth(copy_tbs: float) -> list[dict[str, object]]:
 # ---------------------------------------------------------------- engine
 
 
-def make_engine(loaded, max_num_seqs: int, batched_tokens: int, max_model_len: int) -> Engine:
+def make_engine(loaded, max_num_seqs: int, batched_tokens: int, max_model_len: int,
+                kv_cache_dtype: str = "auto") -> Engine:
     # The previous engine's KV cache and graph pools go back first: the new one sizes its cache
     # from the memory free now.
     gc.collect()
     torch.cuda.empty_cache()
     return Engine(loaded.model, loaded.tokenizer, EngineConfig(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=batched_tokens))
+        max_num_batched_tokens=batched_tokens, kv_cache_dtype=kv_cache_dtype))
 
 
 def run_requests(engine: Engine, reqs: list[tuple[list[int], int]]) -> dict[str, float]:
@@ -175,8 +177,8 @@ def random_prompts(rng: random.Random, n: int, lo: int, hi: int, out_lo: int, ou
              rng.randint(out_lo, out_hi)) for _ in range(n)]
 
 
-def batch1(loaded, copy_tbs: float) -> dict[str, float]:
-    engine = make_engine(loaded, 8, 2048, 4096)
+def batch1(loaded, copy_tbs: float, kv_cache_dtype: str = "auto") -> dict[str, float]:
+    engine = make_engine(loaded, 8, 2048, 4096, kv_cache_dtype)
     rng = random.Random(1)
     vocab = loaded.config.vocab_size
     run_requests(engine, random_prompts(rng, 1, 128, 128, 16, 16, vocab))  # warm
@@ -187,11 +189,13 @@ def batch1(loaded, copy_tbs: float) -> dict[str, float]:
     weight_bytes = loaded.weight_bytes()  # integer matrices as stored
     # The embedding table is read one row per token, not streamed.
     weight_bytes -= loaded.model.embed_tokens.weight.numel() * 2
-    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    kv_per_token = (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+                    * (1 if kv_cache_dtype == "fp8" else 2))
     avg_ctx = 128 + 128
     step_bytes = weight_bytes + kv_per_token * avg_ctx
     mbu = step_bytes * tok_s / (copy_tbs * 1e12)
-    return {**res, "decode_tok_s": tok_s, "bytes_per_step": step_bytes, "mbu": mbu}
+    return {**res, "decode_tok_s": tok_s, "bytes_per_step": step_bytes, "mbu": mbu,
+            "kv_cache_tokens": engine.kv_spec.num_tokens, "kv_cache_gib": engine.kv_spec.gib}
 
 
 def profile1(loaded) -> dict[str, object]:
@@ -309,10 +313,11 @@ def main() -> None:
         results["kernels"] = kernel_bandwidth(copy_tbs)
         save()
     loaded = None
-    if {"batch1", "profile1", "offline", "mixed", "hfset"} & set(args.only):
+    if {"batch1", "kv_fp8_batch1", "profile1", "offline", "mixed", "hfset"} & set(args.only):
         torch.manual_seed(0)
         loaded = load_model(MODEL, device="cuda", dtype=torch.bfloat16)
     for name, fn in (("batch1", lambda: batch1(loaded, copy_tbs)),
+                     ("kv_fp8_batch1", lambda: batch1(loaded, copy_tbs, "fp8")),
                      ("profile1", lambda: profile1(loaded)),
                      ("offline", lambda: offline(loaded)), ("mixed", lambda: mixed(loaded)),
                      ("hfset", lambda: hfset(loaded))):
@@ -356,7 +361,8 @@ def main() -> None:
     for row in results.get("kernels", []):  # type: ignore[union-attr]
         print(f"  {row['kernel']:<44} {row['ms']:8.3f} ms {row['TBps']:5.2f} TB/s "
               f"({100 * row['of_copy']:.0f}% of copy)")
-    for name in ("batch1", "profile1", "offline", "mixed", "hfset", "hf_generate_batch",
+    for name in ("batch1", "kv_fp8_batch1", "profile1", "offline", "mixed", "hfset",
+                 "hf_generate_batch",
                  *INT_SECTIONS):
         if name in results:
             print(name, {k: (round(v, 3) if isinstance(v, float) else v)

@@ -3,7 +3,7 @@
 Each method quantizes the default model (SmolLM2-135M-Instruct, its Q4_1 GGUF: the only
 weights shipped, so every method re-quantizes already 4-bit weights) into a compressed-tensors
 directory with the real command, then ``tidegate eval-ppl`` scores one text on the packed GGUF
-and on each checkpoint, same windows, same threads. GPTQ calibrates on a different text.
+and on each checkpoint, same windows, same threads. GPTQ and AWQ calibrate on a different text.
 
     python benchmarks/quantize_ppl.py --out benchmarks/results/quantize_ppl.json
 """
@@ -24,6 +24,8 @@ METHODS = [
     ("rtn-int8", []), ("rtn-int4", []), ("rtn-int4", ["--asymmetric"]),
     ("gptq-int4", ["--calibration", CALIBRATION_TEXT]),
     ("gptq-int4", ["--calibration", CALIBRATION_TEXT, "--asymmetric"]),
+    ("awq-int4", ["--calibration", CALIBRATION_TEXT]),
+    ("awq-int4", ["--calibration", CALIBRATION_TEXT, "--asymmetric"]),
 ]
 
 

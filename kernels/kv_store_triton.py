@@ -3,6 +3,8 @@
 Same contract as ``store_kv_ref`` (``kernels/paged_attention.py``), but padding slots (< 0) are
 masked inside the kernel instead of filtered on the host, so the store never syncs with the
 device and can be captured in a CUDA graph. One program per token writes all of its heads.
+An FP8 cache (``torch.float8_e4m3fn``, ``--kv-cache-dtype fp8``) takes the values saturated to
+e4m3's range, with a scale of 1 (the attention kernels read them back as they are).
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# The largest finite float8 e4m3 (``torch.float8_e4m3fn``), the FP8 KV cache's element.
+E4M3_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -40,8 +45,19 @@ def _store_kv_kernel(
     k = tl.load(key_ptr + token * key_token_stride + heads * key_head_stride + dims, mask=mask)
     v = tl.load(value_ptr + token * value_token_stride + heads * value_head_stride + dims,
                 mask=mask)
+    if key_cache_ptr.dtype.element_ty == tl.float8e4nv:  # an FP8 cache (e4m3): saturate
+        k = saturate_e4m3(k)
+        v = saturate_e4m3(v)
     tl.store(key_cache_ptr + cache_offsets, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + cache_offsets, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def saturate_e4m3(x):
+    """x clamped to e4m3's finite range (+-448): e4m3 has no infinity, and a value past its
+    largest must not become NaN in the cache."""
+    x = x.to(tl.float32)
+    return tl.minimum(tl.maximum(x, -E4M3_MAX), E4M3_MAX)
 
 
 def _check_tokens(name: str, t: torch.Tensor, device: torch.device) -> None:

@@ -49,6 +49,8 @@ MAX_SPLITS = 16
 DEFAULT_NUM_SMS = 132  # H100/H200 SXM
 LOG2_E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The FP8 KV cache's element (``--kv-cache-dtype fp8``): e4m3, read with a scale of 1.
+FP8_CACHE = torch.float8_e4m3fn
 
 
 @triton.jit
@@ -77,7 +79,8 @@ def _attend_tiles(
             k = tl.load(k_ptr + offs[:, None] + dims[None, :], mask=in_ctx[:, None], other=0.0)
         else:
             k = tl.load(k_ptr + offs[:, None] + dims[None, :])
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        # An FP8 cache's keys and values are widened to q's dtype (scale 1) for the dots.
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             visible = (pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]
             s = tl.where(visible, s, float("-inf"))
@@ -93,6 +96,7 @@ def _attend_tiles(
             v = tl.load(v_ptr + offs[:, None] + dims[None, :], mask=in_ctx[:, None], other=0.0)
         else:
             v = tl.load(v_ptr + offs[:, None] + dims[None, :])
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -381,9 +385,9 @@ def _check_common(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
     d = key_cache.shape[3]
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
-    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
-        raise ValueError(f"caches must have q's dtype {q.dtype}, got {key_cache.dtype} and "
-                         f"{value_cache.dtype}")
+    if key_cache.dtype not in (q.dtype, FP8_CACHE) or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"caches must have q's dtype {q.dtype} (or both be float8_e4m3fn), "
+                         f"got {key_cache.dtype} and {value_cache.dtype}")
     if d < MIN_DOT_DIM or d & (d - 1):
         raise ValueError(f"head dim must be a power of two >= {MIN_DOT_DIM}, got {d}")
     if q.stride(2) != 1:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_store_triton import check_store_args
+from kernels.kv_store_triton import check_store_args, saturate_e4m3
 
 
 @triton.jit
@@ -89,11 +89,19 @@ def _rotary_kernel(
         # Contiguous [num_blocks, block_size, Hk, D] caches: slot s is row s of [slots, Hk * D].
         row = slot * (num_k_heads * 2 * half) + heads * (2 * half) + dims
         dtype = key_cache_ptr.dtype.element_ty
-        tl.store(key_cache_ptr + row, k1.to(k_ptr.dtype.element_ty).to(dtype), mask=mask)
-        tl.store(key_cache_ptr + row + half, k2.to(k_ptr.dtype.element_ty).to(dtype), mask=mask)
+        # Rounded to k's dtype first, as the unfused rotary then store would.
+        k1 = k1.to(k_ptr.dtype.element_ty)
+        k2 = k2.to(k_ptr.dtype.element_ty)
         v_lo = v_ptr + token * v_token_stride + heads * v_head_stride + dims
         v1 = tl.load(v_lo, mask=mask)
         v2 = tl.load(v_lo + half, mask=mask)
+        if dtype == tl.float8e4nv:  # an FP8 cache: saturate into e4m3's range
+            k1 = saturate_e4m3(k1)
+            k2 = saturate_e4m3(k2)
+            v1 = saturate_e4m3(v1)
+            v2 = saturate_e4m3(v2)
+        tl.store(key_cache_ptr + row, k1.to(dtype), mask=mask)
+        tl.store(key_cache_ptr + row + half, k2.to(dtype), mask=mask)
         tl.store(value_cache_ptr + row, v1.to(value_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(value_cache_ptr + row + half, v2.to(value_cache_ptr.dtype.element_ty),
                  mask=mask)

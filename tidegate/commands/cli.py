@@ -39,7 +39,8 @@ def _settings(args: argparse.Namespace):  # -> Settings
     from tidegate.settings import load_settings
 
     fields = ("redis_url", "model", "device", "dtype", "max_num_seqs", "max_num_batched_tokens",
-              "kv_cache_gb", "cuda_graphs", "weights", "host", "port", "log_level")
+              "kv_cache_gb", "kv_cache_dtype", "cuda_graphs", "weights", "host", "port",
+              "log_level")
     try:
         return load_settings(**{f: getattr(args, f, None) for f in fields})
     except ValidationError as exc:
@@ -76,9 +77,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _check_keys_file(settings.api_keys_file)
     _check_model(settings.model)
-    _check_device(settings.device)
+    _check_engine(settings)
     explicit = args.redis_url or os.environ.get("TIDEGATE_REDIS_URL") or os.environ.get("REDIS_URL")
     return run_up(settings, explicit)
+
+
+def _check_engine(settings) -> None:  # noqa: ANN001 - Settings, imported lazily
+    _check_device(settings.device)
+    if settings.kv_cache_dtype == "fp8" and not settings.device.startswith("cuda"):
+        raise CliError(f"--kv-cache-dtype fp8: the FP8 cache needs --device cuda, not "
+                       f"{settings.device}")
 
 
 def _check_device(device: str) -> None:
@@ -99,7 +107,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     _check_model(settings.model)
-    _check_device(settings.device)
+    _check_engine(settings)
     return asyncio.run(serve(settings))
 
 
@@ -299,6 +307,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="tokens per engine step: decodes plus prompt chunks (default 512)")
     p.add_argument("--kv-cache-gb", type=float,
                    help="KV cache size (default 2 GiB on cpu, 90%% of free memory on cuda)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"],
+                   help="KV cache element: auto (the model's dtype) or fp8 (e4m3, cuda: twice "
+                        "the tokens in the same memory)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False,
                    help="cuda: run decode steps eagerly instead of replaying CUDA graphs")
 
@@ -393,18 +404,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="HF model directory | .gguf | smollm2")
     p.add_argument("out", help="directory to write (new or empty)")
     p.add_argument("--method", required=True,
-                   choices=["rtn-int8", "rtn-int4", "gptq-int8", "gptq-int4"],
-                   help="rtn: round to nearest; gptq: GPTQ on --calibration text")
-    p.add_argument("--format", choices=["compressed-tensors", "gptq"],
+                   choices=["rtn-int8", "rtn-int4", "gptq-int8", "gptq-int4", "awq-int4"],
+                   help="rtn: round to nearest; gptq, awq: GPTQ or AWQ on --calibration text")
+    p.add_argument("--format", choices=["compressed-tensors", "gptq", "awq"],
                    default="compressed-tensors",
-                   help="checkpoint layout (default compressed-tensors pack-quantized)")
+                   help="checkpoint layout (default compressed-tensors pack-quantized; awq: "
+                        "AutoAWQ's GEMM layout, 4-bit groups)")
     p.add_argument("--group-size", default="auto",
                    help="columns per scale: auto (int4: 128, 64 or 32, whichever divides "
                         "every projection; int8: per channel), N, or -1 (per channel)")
     p.add_argument("--asymmetric", action="store_true", help="zero points (default symmetric)")
     p.add_argument("--act-order", action="store_true",
                    help="GPTQ: quantize the most active columns first (needs --format gptq)")
-    p.add_argument("--calibration", help="UTF-8 text file (gptq methods)")
+    p.add_argument("--calibration", help="UTF-8 text file (gptq and awq methods)")
     p.add_argument("--context", type=int, default=512, help="calibration window (tokens)")
     p.add_argument("--max-windows", type=int, default=64, help="calibration windows at most")
     p.add_argument("--json", action="store_true", help="one JSON line instead of text")

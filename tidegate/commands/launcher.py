@@ -138,6 +138,7 @@ def _spawn_worker(settings: Settings) -> subprocess.Popen:
     env["TIDEGATE_MAX_NUM_BATCHED_TOKENS"] = str(settings.max_num_batched_tokens)
     if settings.kv_cache_gb is not None:
         env["TIDEGATE_KV_CACHE_GB"] = str(settings.kv_cache_gb)
+    env["TIDEGATE_KV_CACHE_DTYPE"] = settings.kv_cache_dtype
     return subprocess.Popen([sys.executable, "-m", "tidegate", "worker"], env=env)
 
 

@@ -19,7 +19,12 @@ from tidegate.model_files.tokenizer import Tokenizer
 from tidegate.protocol import FinishReason, SamplingParams
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.kv_cache import KVCacheSpec, plan_kv_cache
+from worker.engine.kv_cache import (
+    KV_CACHE_DTYPES,
+    KVCacheSpec,
+    kv_cache_torch_dtype,
+    plan_kv_cache,
+)
 from worker.engine.model_runner import ModelRunner
 from worker.engine.sampler import SamplerLaunch, TokenLogprobs, is_penalised
 from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -48,6 +53,9 @@ class EngineConfig:
     kv_cache_gb: float | None = None  # None: 2 GiB on CPU, a fraction of free memory on CUDA
     kv_cache_memory_fraction: float | None = None
     num_blocks: int | None = None  # overrides the budgets above (tests, benchmarks)
+    # "auto": the model's dtype; "fp8": float8 e4m3 (CUDA, Triton kernels), half of bf16's
+    # bytes per token, so the same budget holds twice the tokens.
+    kv_cache_dtype: str = "auto"
     prefix_caching: bool = True
     # CUDA only: replay decode steps from CUDA graphs (captured at start-up for batch sizes up to
     # max_num_seqs); False runs every step eagerly.
@@ -71,6 +79,9 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2")
         if self.block_size < 1:
             raise ValueError("block_size must be positive")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)  # validates both
 
 
@@ -128,8 +139,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         param = next(model.parameters())
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, param.dtype, param.device)
         self.kv_spec: KVCacheSpec = plan_kv_cache(
-            model.cfg, param.dtype, param.device, block_size=config.block_size,
+            model.cfg, kv_dtype, param.device, block_size=config.block_size,
             kv_cache_gb=config.kv_cache_gb, memory_fraction=config.kv_cache_memory_fraction,
             num_blocks=config.num_blocks,
         )
@@ -139,7 +151,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks)
         self.runner = ModelRunner(
-            model, self.kv_spec, max_model_len=config.max_model_len,
+            model, self.kv_spec, kv_dtype=kv_dtype, max_model_len=config.max_model_len,
             cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0)
         self.stats = EngineStats()
         self.async_output = (config.async_output if config.async_output is not None

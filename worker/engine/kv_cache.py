@@ -10,9 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.dispatch import kernel_mode
 from worker.models.llama import LlamaConfig
 
 GIB = 1 << 30
+KV_CACHE_DTYPES = ("auto", "fp8")
 DEFAULT_CPU_KV_GB = 2.0
 DEFAULT_CUDA_FRACTION = 0.9
 
@@ -34,6 +36,21 @@ class KVCacheSpec:
     def describe(self) -> str:
         return (f"KV cache: {self.gib:.2f} GiB = {self.num_blocks} blocks x {self.block_size} "
                 f"tokens = {self.num_tokens} tokens")
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype, device: torch.device
+                         ) -> torch.dtype:
+    """The cache's element type: the model's ("auto"), or float8 e4m3 ("fp8"), which only the
+    Triton attention and store kernels read and write (CUDA)."""
+    if name == "auto":
+        return model_dtype
+    if name != "fp8":
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                         f"{name!r}")
+    if device.type != "cuda" or kernel_mode() == "reference":
+        raise ValueError("kv_cache_dtype fp8 needs a CUDA device and the Triton kernels "
+                         f"(device {device}, TIDEGATE_KERNELS {kernel_mode()})")
+    return torch.float8_e4m3fn
 
 
 def bytes_per_block(cfg: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -57,14 +57,15 @@ class ModelInput:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, spec: KVCacheSpec, *, max_model_len: int | None = None,
-                 cuda_graph_max_batch: int = 0) -> None:
+                 cuda_graph_max_batch: int = 0, kv_dtype: torch.dtype | None = None) -> None:
         """``cuda_graph_max_batch`` > 0 (CUDA only): capture decode steps of up to that many
-        sequences, each context up to ``max_model_len`` tokens, in CUDA graphs."""
+        sequences, each context up to ``max_model_len`` tokens, in CUDA graphs. ``kv_dtype``:
+        the cache's element type (default the model's)."""
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = spec.block_size
-        self.kv_cache = allocate_kv_cache(model.cfg, spec, self.dtype, self.device)
+        self.kv_cache = allocate_kv_cache(model.cfg, spec, kv_dtype or self.dtype, self.device)
         self.scale = model.cfg.head_dim ** -0.5
         self.sampler = Sampler(self.device)
         # Build (or load) the native CPU kernels now, not inside the first step a job waits on.

@@ -7,7 +7,10 @@ of compressed-tensors, GPTQ and AWQ checkpoints leave them). Methods:
 * ``rtn-int8`` / ``rtn-int4``: round to nearest, no data needed;
 * ``gptq-int4`` / ``gptq-int8``: GPTQ (``gptq.py``) on calibration text, layer by layer: each
   layer's projections see the inputs the already quantized layers before them produce, and
-  q/k/v (and gate/up) share their inputs' Hessian.
+  q/k/v (and gate/up) share their inputs' Hessian;
+* ``awq-int4``: AWQ (``awq.py``) on calibration text, layer by layer likewise: input channels
+  scaled by their activations' magnitude before rounding, the inverse folded into the RMSNorm
+  weights (q/k/v, gate/up) and the up projection (down), then round to nearest.
 
 The checkpoint is written by ``checkpoint_writer`` in compressed-tensors' pack-quantized
 format (default) or GPTQ's, with config.json and the tokenizer, so tidegate, transformers and
@@ -17,8 +20,9 @@ vLLM read it.
 from __future__ import annotations
 
 import time
+from collections import ChainMap
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -38,14 +42,17 @@ from worker.models.loaders.gguf_weights import GGUFWeights
 from worker.models.loaders.hf_weights import SafetensorsWeights
 from worker.models.loaders.loader import load_model
 from worker.models.packed_modules import PackedLinear
+from worker.quantization.awq import awq_scales
 from worker.quantization.gptq import HessianStats, gptq_quantize
 
 # method -> (bits, algorithm)
 METHODS: dict[str, tuple[int, str]] = {
     "rtn-int8": (8, "rtn"), "rtn-int4": (4, "rtn"),
-    "gptq-int8": (8, "gptq"), "gptq-int4": (4, "gptq"),
+    "gptq-int8": (8, "gptq"), "gptq-int4": (4, "gptq"), "awq-int4": (4, "awq"),
 }
-FORMATS = ("compressed-tensors", "gptq")
+FORMATS = ("compressed-tensors", "gptq", "awq")
+# Calibration rows each projection's AWQ scale search sees (evenly spaced over the windows).
+AWQ_TOKENS = 2048
 # Tried largest first when the group size is "auto" (4 bits): the first that divides every
 # projection's input width (SmolLM2-135M's 576 takes 64).
 AUTO_GROUPS = (128, 64, 32)
@@ -96,7 +103,7 @@ def quantize_model(spec: str, out: Path, options: QuantizeOptions,
     if options.format not in FORMATS:
         raise QuantizeError(f"--format {options.format!r}: one of {', '.join(FORMATS)}")
     bits, algorithm = METHODS[options.method]
-    if algorithm == "gptq" and not options.calibration:
+    if algorithm != "rtn" and not options.calibration:
         raise QuantizeError(f"--method {options.method} calibrates: give --calibration FILE")
     if options.act_order and algorithm != "gptq":
         raise QuantizeError("--act-order is a GPTQ option (gptq-int4, gptq-int8)")
@@ -107,6 +114,8 @@ def quantize_model(spec: str, out: Path, options: QuantizeOptions,
         raise QuantizeError(f"{out} exists and is not empty")
     source, config, tensors, tokenizer = _source(spec)
     group = _group_size(config, bits, options.group_size)
+    if options.format == "awq" and (bits != 4 or group is None):
+        raise QuantizeError("--format awq holds 4-bit integers in groups (not per channel)")
 
     weights: dict[str, IntWeight] = {}
     calibration_tokens = 0
@@ -120,7 +129,11 @@ def quantize_model(spec: str, out: Path, options: QuantizeOptions,
         assert options.calibration is not None
         windows = _windows(tokenizer, options.calibration, options.context, options.max_windows)
         calibration_tokens = sum(w.numel() for w in windows)
-        weights = _gptq_model(source, config, windows, bits, group, options, progress)
+        if algorithm == "gptq":
+            weights = _gptq_model(source, config, windows, bits, group, options, progress)
+        else:
+            weights, folded = _awq_model(source, windows, bits, group, options, progress)
+            tensors = ChainMap(folded, tensors)  # type: ignore[arg-type]
 
     from worker.quantization.checkpoint_writer import write_checkpoint
 
@@ -206,27 +219,93 @@ def _gptq_model(source: ModelSource, config: LlamaConfig, windows: list[torch.Te
                      for attr, _, _ in layer_matrices(i)}
             for w in range(len(windows)):
                 _run_layer(layer, i, hidden[w], residual[w], positions[w], model.rope_cache,
-                           stats)
-            for attr, _, names in layer_matrices(i):
-                fused = getattr(layer, attr).weight
-                h = stats[attr].matrix()
-                row = 0
-                quantized = []
-                for name in names:
-                    rows = _rows_of(config, name)
-                    q = gptq_quantize(fused[row:row + rows], h, bits, group, options.symmetric,
-                                      options.act_order, options.damp)
-                    out[name] = q
-                    quantized.append(q.dequantize())
-                    row += rows
-                # The next layers calibrate on what the quantized layer computes.
-                fused.copy_(torch.cat(quantized))
-            for w in range(len(windows)):
-                hidden[w], residual[w] = _run_layer(layer, i, hidden[w], residual[w],
-                                                    positions[w], model.rope_cache, None)
+                           lambda attr, x, stats=stats: stats[attr].add(x))
+            hessians = {attr: st.matrix() for attr, st in stats.items()}
+            out.update(_quantize_layer(layer, i, config, lambda attr, w, h=hessians: gptq_quantize(
+                w, h[attr], bits, group, options.symmetric, options.act_order, options.damp)))
+            _advance(layer, i, hidden, residual, positions, model.rope_cache)
             if progress is not None:
                 progress("gptq layers", i + 1, len(model.layers))
     return out
+
+
+def _awq_model(source: ModelSource, windows: list[torch.Tensor], bits: int, group: int | None,
+               options: QuantizeOptions, progress: Progress | None
+               ) -> tuple[dict[str, IntWeight], dict[str, torch.Tensor]]:
+    """AWQ layer by layer (float32 on the CPU): the integers, and the norm weights the scales
+    were folded into (they replace the source's in the checkpoint)."""
+    loaded = load_model(source, device="cpu", dtype=torch.float32, packed=False)
+    model, config = loaded.model, loaded.config
+    hidden = [model.embed_tokens(w) for w in windows]
+    residual: list[torch.Tensor | None] = [None] * len(windows)
+    positions = [torch.arange(w.numel()) for w in windows]
+    out: dict[str, IntWeight] = {}
+    folded: dict[str, torch.Tensor] = {}
+    inter = config.intermediate_size
+    with torch.inference_mode():
+        for i, layer in enumerate(model.layers):
+            seen: dict[str, list[torch.Tensor]] = {attr: [] for attr, _, _ in layer_matrices(i)}
+            for w in range(len(windows)):
+                _run_layer(layer, i, hidden[w], residual[w], positions[w], model.rope_cache,
+                           lambda attr, x, seen=seen: seen[attr].append(x))
+            inputs = {attr: _spaced_rows(torch.cat(xs), AWQ_TOKENS) for attr, xs in seen.items()}
+            s_qkv, s_gate_up, s_down = (
+                awq_scales([getattr(layer, attr).weight], inputs[attr], bits, group,
+                           options.symmetric)
+                for attr in ("qkv_proj", "gate_up_proj", "down_proj"))
+            # Each scale multiplies its matrix's columns and divides what feeds them: the
+            # float layer computes the same function.
+            layer.qkv_proj.weight.mul_(s_qkv)
+            layer.input_norm.div_(s_qkv)
+            layer.gate_up_proj.weight.mul_(s_gate_up)
+            layer.post_attn_norm.div_(s_gate_up)
+            layer.down_proj.weight.mul_(s_down)
+            layer.gate_up_proj.weight[inter:].div_(s_down[:, None])  # the up rows
+            prefix = f"model.layers.{i}."
+            folded[prefix + "input_layernorm.weight"] = layer.input_norm.detach().clone()
+            folded[prefix + "post_attention_layernorm.weight"] = (
+                layer.post_attn_norm.detach().clone())
+            out.update(_quantize_layer(layer, i, config, lambda attr, w: replace(
+                IntWeight.quantize(w, bits, group, options.symmetric), format="awq")))
+            _advance(layer, i, hidden, residual, positions, model.rope_cache)
+            if progress is not None:
+                progress("awq layers", i + 1, len(model.layers))
+    return out, folded
+
+
+def _quantize_layer(layer: DecoderLayer, index: int, config: LlamaConfig,
+                    quantize: Callable[[str, torch.Tensor], IntWeight]) -> dict[str, IntWeight]:
+    """Each HF matrix of layer ``index`` (the rows of its fused projection) through
+    ``quantize`` (attribute, float rows); the fused projections then hold the rounded values,
+    so the next layers calibrate on what the quantized layer computes."""
+    out: dict[str, IntWeight] = {}
+    for attr, _, names in layer_matrices(index):
+        fused = getattr(layer, attr).weight
+        row = 0
+        rounded = []
+        for name in names:
+            rows = _rows_of(config, name)
+            out[name] = quantize(attr, fused[row:row + rows])
+            rounded.append(out[name].dequantize())
+            row += rows
+        fused.copy_(torch.cat(rounded))
+    return out
+
+
+def _advance(layer: DecoderLayer, index: int, hidden: list[torch.Tensor],
+             residual: list[torch.Tensor | None], positions: list[torch.Tensor],
+             rope: torch.Tensor) -> None:
+    """Every window through layer ``index``, in place: its output is the next layer's input."""
+    for w in range(len(hidden)):
+        hidden[w], residual[w] = _run_layer(layer, index, hidden[w], residual[w], positions[w],
+                                            rope, None)
+
+
+def _spaced_rows(x: torch.Tensor, count: int) -> torch.Tensor:
+    """At most ``count`` rows of ``x``, evenly spaced."""
+    if x.shape[0] <= count:
+        return x
+    return x[torch.linspace(0, x.shape[0] - 1, count).long()]
 
 
 def _rows_of(config: LlamaConfig, name: str) -> int:
@@ -241,24 +320,25 @@ def _rows_of(config: LlamaConfig, name: str) -> int:
 
 def _run_layer(layer: DecoderLayer, index: int, hidden: torch.Tensor,
                residual: torch.Tensor | None, positions: torch.Tensor, rope: torch.Tensor,
-               stats: dict[str, HessianStats] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoder layer on one window (its unfused CPU path), recording each projection's
-    input in ``stats`` when given."""
+               record: Callable[[str, torch.Tensor], None] | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer on one window (its unfused CPU path), handing each projection's
+    input to ``record`` (the projection's attribute, its input) when given."""
     eps = layer.cfg.rms_norm_eps
     x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
-    if stats is not None:
-        stats["qkv_proj"].add(x)
+    if record is not None:
+        record("qkv_proj", x)
     out = layer._attention(ops.linear(x, layer.qkv_proj.weight), positions, rope,
                            CausalAttention(), index)
-    if stats is not None:
-        stats["o_proj"].add(out)
+    if record is not None:
+        record("o_proj", out)
     x, residual = ops.rms_norm(ops.linear(out, layer.o_proj.weight), layer.post_attn_norm, eps,
                                residual)
-    if stats is not None:
-        stats["gate_up_proj"].add(x)
+    if record is not None:
+        record("gate_up_proj", x)
     act = ops.silu_and_mul(ops.linear(x, layer.gate_up_proj.weight))
-    if stats is not None:
-        stats["down_proj"].add(act)
+    if record is not None:
+        record("down_proj", act)
     return ops.linear(act, layer.down_proj.weight), residual
 
 

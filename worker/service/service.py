@@ -455,6 +455,7 @@ def build_engine(settings: Settings) -> Engine:
         block_size=settings.block_size,
         kv_cache_gb=settings.kv_cache_gb,
         kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
+        kv_cache_dtype=settings.kv_cache_dtype,
         prefix_caching=settings.prefix_caching,
         cuda_graphs=settings.cuda_graphs,
     ))

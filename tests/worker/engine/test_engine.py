@@ -216,3 +216,12 @@ def test_kv_budget_in_gib_sets_the_number_of_blocks(smollm2: LoadedModel) -> Non
     per_token = 30 * 2 * 3 * 64 * torch.finfo(torch.float32).bits // 8
     assert engine.kv_spec.num_tokens == (int(0.25 * 2**30) // (per_token * 16)) * 16
     assert "blocks x 16 tokens" in engine.kv_spec.describe()
+
+
+def test_an_fp8_kv_cache_is_refused_off_cuda_by_name() -> None:
+    loaded = load_model("random:tiny")
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8 needs a CUDA device"):
+        Engine(loaded.model, loaded.tokenizer, EngineConfig(max_model_len=64,
+                                                            kv_cache_dtype="fp8"))
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
+        EngineConfig(max_model_len=64, kv_cache_dtype="int8")
