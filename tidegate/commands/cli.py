@@ -179,6 +179,16 @@ async def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_bar(args: argparse.Namespace, prefix: str, done: int, total: int,
+                  unit: str) -> None:
+    """One redrawn line on stderr: on a terminal unless --json, or wherever --progress."""
+    if not args.json and sys.stderr.isatty() or args.progress:
+        width = 30
+        bar = "#" * (width * done // total) + "." * (width - width * done // total)
+        print(f"\r{prefix}[{bar}] {done}/{total}{unit}", end="" if done < total else "\n",
+              file=sys.stderr, flush=True)
+
+
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     import torch
 
@@ -208,11 +218,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         raise CliError(f"--text {args.text} has fewer than 2 tokens: nothing to score")
 
     def progress(done: int, total: int) -> None:
-        if not args.json and sys.stderr.isatty() or args.progress:
-            width = 30
-            bar = "#" * (width * done // total) + "." * (width - width * done // total)
-            print(f"\r[{bar}] {done}/{total} windows", end="" if done < total else "\n",
-                  file=sys.stderr, flush=True)
+        _progress_bar(args, "", done, total, " windows")
 
     result = perplexity(loaded.model, ids, context=args.context, progress=progress)
     types = loaded.packed_types()
@@ -258,11 +264,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                               context=args.context, max_windows=args.max_windows)
 
     def progress(stage: str, done: int, total: int) -> None:
-        if not args.json and sys.stderr.isatty() or args.progress:
-            width = 30
-            bar = "#" * (width * done // total) + "." * (width - width * done // total)
-            print(f"\r{stage} [{bar}] {done}/{total}", end="" if done < total else "\n",
-                  file=sys.stderr, flush=True)
+        _progress_bar(args, f"{stage} ", done, total, "")
 
     try:
         report = quantize_model(args.src, Path(args.out), options, progress)
