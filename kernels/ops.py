@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul_ref
 from kernels.dispatch import SERVE_ROWS, use_triton
+from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from kernels.linear import linear as linear_impl
 from kernels.native_cpu import native_kernels, rms_norm_applies, rotary_store_kv_applies
@@ -33,11 +34,16 @@ def fuses_projections(x: torch.Tensor) -> bool:
     return x.dim() == 2 and 0 < x.shape[0] <= SERVE_ROWS and use_triton(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight,
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight | Fp8Weight,
            add: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ add [M, N], the residual stream's add) -> [M, N].
-    ``weight`` may be packed GGUF blocks (``kernels.packed_weight``; CPU) or integers with
-    group scales (``kernels.int_weight``; CPU and Triton, any number of rows)."""
+    ``weight`` may be packed GGUF blocks (``kernels.packed_weight``; CPU), integers with
+    group scales (``kernels.int_weight``; CPU and Triton, any number of rows) or e4m3 values
+    with row scales (``kernels.fp8_weight``; Triton: W8A8 beyond a few rows)."""
+    if isinstance(weight, Fp8Weight):
+        if use_triton(x):
+            return _fp8_linear_triton(x, weight, add=add)
+        return linear_impl(x, weight, add)
     if isinstance(weight, IntWeight):
         if use_triton(x):
             from kernels.int_linear_triton import int_linear_triton
@@ -52,10 +58,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight,
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor | PackedWeight | IntWeight, silu: bool = False
+                weight: torch.Tensor | PackedWeight | IntWeight | Fp8Weight, silu: bool = False
                 ) -> torch.Tensor:
     """rms_norm(x) @ weight.T, then silu(gate) * up if ``silu`` (weight: gate rows, then up
     rows); one weight stream with the norm and SiLU fused where the few-row kernel serves."""
+    if isinstance(weight, Fp8Weight) and fuses_projections(x):
+        return _fp8_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)
     if isinstance(weight, IntWeight) and fuses_projections(x):
         from kernels.int_linear_triton import int_linear_triton
 
@@ -66,6 +74,23 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         return skinny_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)
     out = linear(rms_norm(x, norm_weight, eps)[0], weight)
     return silu_and_mul(out) if silu else out
+
+
+def _fp8_linear_triton(x: torch.Tensor, weight: Fp8Weight, *,
+                       norm_weight: torch.Tensor | None = None, eps: float = 1e-5,
+                       silu: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+    """e4m3 weights on Triton: a weight stream (activations unrounded) for a row or two, the
+    W8A8 GEMM beyond (no norm prologue there: many-row steps normalize first)."""
+    from kernels.linear_triton import MAX_FP8_ROWS, skinny_linear_triton
+
+    if x.shape[0] <= MAX_FP8_ROWS:
+        return skinny_linear_triton(x, weight.weight, weight_scale=weight.scales,
+                                    norm_weight=norm_weight, eps=eps, silu=silu, add=add)
+    from kernels.fp8_linear_triton import fp8_gemm
+
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)[0]
+    return fp8_gemm(x, weight, silu=silu, add=add)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
