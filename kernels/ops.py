@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul_ref
 from kernels.dispatch import SERVE_ROWS, use_triton
+from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from kernels.linear import linear as linear_impl
 from kernels.native_cpu import native_kernels, rms_norm_applies, rotary_store_kv_applies
@@ -33,16 +34,19 @@ def fuses_projections(x: torch.Tensor) -> bool:
     return x.dim() == 2 and 0 < x.shape[0] <= SERVE_ROWS and use_triton(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight,
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight | Fp8Weight,
            add: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ add [M, N], the residual stream's add) -> [M, N].
-    ``weight`` may be packed GGUF blocks (``kernels.packed_weight``; CPU) or integers with
-    group scales (``kernels.int_weight``; CPU and Triton, any number of rows)."""
+    ``weight`` may be packed GGUF blocks (``kernels.packed_weight``; CPU), integers with
+    group scales (``kernels.int_weight``; CPU and Triton, any number of rows) or FP8 values
+    scaled per row (``kernels.fp8_weight``; the CPU kernel, else the reference)."""
     if isinstance(weight, IntWeight):
         if use_triton(x):
             from kernels.int_linear_triton import int_linear_triton
 
             return int_linear_triton(x, weight, add=add)
+        return linear_impl(x, weight, add)
+    if isinstance(weight, Fp8Weight):  # CUDA and TIDEGATE_KERNELS=triton: the reference
         return linear_impl(x, weight, add)
     if fuses_projections(x) and not isinstance(weight, PackedWeight):
         from kernels.linear_triton import skinny_linear_triton
@@ -52,7 +56,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight,
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor | PackedWeight | IntWeight, silu: bool = False
+                weight: torch.Tensor | PackedWeight | IntWeight | Fp8Weight, silu: bool = False
                 ) -> torch.Tensor:
     """rms_norm(x) @ weight.T, then silu(gate) * up if ``silu`` (weight: gate rows, then up
     rows); one weight stream with the norm and SiLU fused where the few-row kernel serves."""
@@ -60,7 +64,7 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         from kernels.int_linear_triton import int_linear_triton
 
         return int_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)
-    if fuses_projections(x) and not isinstance(weight, PackedWeight):
+    if fuses_projections(x) and isinstance(weight, torch.Tensor):
         from kernels.linear_triton import skinny_linear_triton
 
         return skinny_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)
