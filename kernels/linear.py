@@ -15,7 +15,9 @@ Packed GGUF weights (``kernels.packed_weight``) go to the native packed kernel
 multiplies it with float32 activations: the dequantized matrix's product up to summation order,
 which ``packed_linear_ref`` (dequantize, then ``linear_ref``) is. Integer weights with group
 scales (``kernels.int_weight``: GPTQ, AWQ, compressed-tensors) take the same kernel with their
-own row dequantizer; ``int_linear_ref`` is theirs.
+own row dequantizer; ``int_linear_ref`` is theirs. FP8 weights (``kernels.fp8_weight``) too:
+the CPU has no FP8 arithmetic, so their rows are widened to float32 (exactly) and multiplied
+with float32 activations, weight-only; ``fp8_linear_ref`` is theirs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul_ref
+from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from kernels.native_cpu import native_kernels
 from kernels.packed_weight import PackedWeight
@@ -56,6 +59,12 @@ def int_linear_ref(x: torch.Tensor, weight: IntWeight, add: torch.Tensor | None 
     return linear_ref(x, weight.dequantize().to(x.dtype), add)
 
 
+def fp8_linear_ref(x: torch.Tensor, weight: Fp8Weight, add: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """The FP8 kernels' reference: the whole matrix dequantized, then ``linear_ref``."""
+    return linear_ref(x, weight.dequantize().to(x.dtype), add)
+
+
 def norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, silu: bool = False) -> torch.Tensor:
     """RMSNorm, then the projection, then (``silu``: weight holds gate then up rows) SwiGLU:
@@ -64,7 +73,7 @@ def norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     return silu_and_mul_ref(out) if silu else out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight,
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight | Fp8Weight,
            add: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K], weight [N, K] -> [M, N] (contiguous), plus ``add`` [M, N] if given."""
     if isinstance(weight, IntWeight):
@@ -72,6 +81,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight,
                 native := native_kernels()) is not None:
             return native.int_linear(x, weight, add)
         return int_linear_ref(x, weight, add)
+    if isinstance(weight, Fp8Weight):
+        if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and (
+                native := native_kernels()) is not None:
+            return native.fp8_linear(x, weight, add)
+        return fp8_linear_ref(x, weight, add)
     if isinstance(weight, PackedWeight):
         if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and (
                 native := native_kernels()) is not None:

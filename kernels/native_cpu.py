@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kernels.dispatch import kernel_mode
+from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from kernels.packed_weight import PackedWeight
 
@@ -134,6 +135,10 @@ class NativeCpuKernels:
                        + [ctypes.c_int64] * 5 + [ctypes.c_int])
         fn.restype = ctypes.c_int
         self._int_linear = fn
+        fn = self.lib.tidegate_fp8_linear_f32
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fp8_linear = fn
         fn = self.lib.tidegate_dequant_rows
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                        ctypes.c_int64, ctypes.c_void_p]
@@ -211,6 +216,22 @@ class NativeCpuKernels:
             raise MemoryError("int linear kernel could not allocate its scratch memory")
         if rc != 0:
             raise ValueError(f"int linear: {weight.bits} bits in groups of {weight.group_size}")
+        return out
+
+    def fp8_linear(self, x: torch.Tensor, weight: Fp8Weight,
+                   add: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] @ weight.dequantize() [N, K].T (+ add [M, N]) -> [M, N]; float32 CPU x
+        (weight-only: the CPU has no FP8 arithmetic, so each strip of rows is widened to
+        float32 in cache)."""
+        n, k = weight.shape
+        x, out, add = _projection_operands(x, weight.shape, add)
+        m = x.shape[0]
+        if m == 0:
+            return out
+        if self._fp8_linear(x.data_ptr(), weight.weight.data_ptr(), weight.scales.data_ptr(),
+                            out.data_ptr(), None if add is None else add.data_ptr(), m, n, k,
+                            x.stride(0), n, torch.get_num_threads()) != 0:
+            raise MemoryError("fp8 linear kernel could not allocate its scratch memory")
         return out
 
     def dequantize_rows(self, weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight | Fp
     """x [M, K] @ weight [N, K].T (+ add [M, N], the residual stream's add) -> [M, N].
     ``weight`` may be packed GGUF blocks (``kernels.packed_weight``; CPU), integers with
     group scales (``kernels.int_weight``; CPU and Triton, any number of rows) or e4m3 values
-    with row scales (``kernels.fp8_weight``; Triton: W8A8 beyond a few rows)."""
+    with row scales (``kernels.fp8_weight``; CPU: weight-only, Triton: W8A8 beyond two rows).
+    """
     if isinstance(weight, Fp8Weight):
         if use_triton(x):
             return _fp8_linear_triton(x, weight, add=add)
@@ -68,7 +69,7 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         from kernels.int_linear_triton import int_linear_triton
 
         return int_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)
-    if fuses_projections(x) and not isinstance(weight, PackedWeight):
+    if fuses_projections(x) and isinstance(weight, torch.Tensor):
         from kernels.linear_triton import skinny_linear_triton
 
         return skinny_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)

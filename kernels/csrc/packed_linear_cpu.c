@@ -284,9 +284,15 @@ static void int_row(const struct row_source *src, int64_t r, int64_t k, float *y
     }
 }
 
+/* ggml_type of an FP8 (e4m3) matrix (fp8_weight.py): one byte a value, `scales` [N] per row. */
+#define SRC_FP8 (-2)
+static void fp8_row(const struct row_source *src, int64_t r, int64_t k, float *y);
+
 static inline void source_row(const struct row_source *src, int64_t r, int64_t k, float *y) {
     if (src->ggml_type >= 0)
         dequant_row(src->ggml_type, src->w + r * src->row_bytes, k, y);
+    else if (src->ggml_type == SRC_FP8)
+        fp8_row(src, r, k, y);
     else
         int_row(src, r, k, y);
 }
@@ -349,5 +355,41 @@ int tidegate_int_linear_f32(int bits, int64_t group, const float *x, const uint8
     if ((bits != 4 && bits != 8) || group <= 0 || k_dim % group) return -1;
     if (bits == 4 && (k_dim % 32 || (group % 32 && group != 16))) return -1;
     const struct row_source src = {-1, q, k_dim * bits / 8, bits, group, scales, zeros};
+    return strip_linear(&src, x, y, add, m_dim, n_dim, k_dim, ldx, ldy, num_threads);
+}
+
+/* FP8 e4m3 (OCP "fn": no infinities, NaN at S.1111.111) as float, exactly: with exponent
+ * field e and mantissa m, |v| = (e ? 8 + m : m) << (e ? e - 1 : 0), times 2^-9. The integer
+ * is below 2^18 and the power of two is exact, so the float is the e4m3 value itself; going
+ * through an integer keeps float32 subnormals (and a DAZ setting) out of the way. */
+static inline float fp8_to_f(uint8_t b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    const float v = (float)((e ? 8 + m : m) << (e ? e - 1 : 0)) * (1.0f / 512.0f);
+    return b & 0x80 ? -v : v;
+}
+
+/* One row of an FP8 matrix: 16 values a step as fp8_to_f, times the row's scale. */
+static void fp8_row(const struct row_source *src, int64_t r, int64_t k, float *y) {
+    const uint8_t *q = src->w + r * src->row_bytes;
+    const float s = src->scales[r];
+    int64_t c = 0;
+    for (; c + 16 <= k; c += 16) {
+        const i32x16 b = __builtin_convertvector(*(const u8x16 *)(q + c), i32x16);
+        const i32x16 e = (b >> 3) & 15, normal = e != 0; /* normal: -1 or 0 */
+        const i32x16 mag = ((normal & 8) | (b & 7)) << (e + normal);
+        const i32x16 sign = (b & 0x80) << 24;
+        const v16 v = __builtin_convertvector(mag, v16a) * (1.0f / 512.0f);
+        store16(y + c, (v16)((i32x16)v ^ sign) * s);
+    }
+    for (; c < k; ++c) y[c] = fp8_to_f(q[c]) * s;
+}
+
+/* The same over an FP8 matrix (fp8_weight.py): q [N, K] e4m3 bytes, scales [N] (weight-only:
+ * x stays float32). Returns 0, or -2 when scratch memory cannot be had. */
+int tidegate_fp8_linear_f32(const float *x, const uint8_t *q, const float *scales, float *y,
+                            const float *add, int64_t m_dim, int64_t n_dim, int64_t k_dim,
+                            int64_t ldx, int64_t ldy, int num_threads) {
+    const struct row_source src = {.ggml_type = SRC_FP8, .w = q, .row_bytes = k_dim,
+                                   .scales = scales};
     return strip_linear(&src, x, y, add, m_dim, n_dim, k_dim, ldx, ldy, num_threads);
 }

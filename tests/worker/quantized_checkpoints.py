@@ -1,6 +1,7 @@
-"""Integer weights for the quantized-checkpoint tests, and each format's dequantization written
-from the format's own definition (numpy, field by field), not from our reader: a packing bug in the
-reader or the writer cannot cancel out against the same bug here.
+"""Integer weights for the quantized-checkpoint tests, the tiny float checkpoint they start from
+and the edits that break a written one, and each format's dequantization written from the
+format's own definition (numpy, field by field), not from our reader: a packing bug in the reader
+or the writer cannot cancel out against the same bug here.
 
 The definitions, as AutoGPTQ, AutoAWQ and compressed-tensors 0.20 pack them: a word's field i sits
 at bits i*b .. i*b + b - 1 (b bits a value, 32/b values a word).
@@ -9,19 +10,71 @@ at bits i*b .. i*b + b - 1 (b bits a value, 32/b values a word).
 * AWQ GEMM: qweight [K, N/8] and qzeros [K/G, N/8]; field i of word c holds column 8c + ORDER[i].
 * compressed-tensors pack-quantized: weight_packed [N, K*b/32] along K, zero points [N*b/32, K/G]
   along N, both storing signed value + 2**(b-1); int-quantized: int8 weight, signed zero points.
+* FP8 (float-quantized, quant_method fp8): e4m3fn bytes, sign, 4 exponent bits (bias 7) and 3
+  mantissa bits, exponent 0 subnormal (m/8 * 2^-6), S.1111.111 NaN; times ``weight_scale``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaForCausalLM
 
 from kernels.int_weight import IntWeight
+from tests.worker.tiny_checkpoints import tiny_hf_model, write_hf_dir
+from tidegate.model_files.model_source import ModelLoadError
+from worker.models.loaders.quantized.quantized_safetensors import QuantizedSafetensors
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: field i <- column 8c + AWQ_ORDER[i]
+
+
+@dataclasses.dataclass
+class Tiny:
+    hf: LlamaForCausalLM
+    dir: Path  # the float checkpoint (config.json, tokenizer)
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+def tiny_checkpoint(path: Path) -> Tiny:
+    """The tiny untied float model, written to ``path`` with its tokenizer."""
+    hf = tiny_hf_model(tied=False)
+    write_hf_dir(hf, path)
+    return Tiny(hf, path, json.loads((path / "config.json").read_text()), hf.state_dict())
+
+
+def stored(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "model.safetensors")
+
+
+def edit_config(path: Path, **changes: Any) -> None:
+    """Set ``changes`` in config.json's quantization_config."""
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def edit_tensors(path: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    t = stored(path)
+    change(t)
+    save_file(t, path / "model.safetensors")
+
+
+def refused(path: Path, match: str) -> None:
+    """Reading the checkpoint at ``path``, every linear, raises ModelLoadError matching
+    ``match``."""
+    with pytest.raises(ModelLoadError, match=match):
+        reader = QuantizedSafetensors(path)
+        for name in reader.quantized:
+            reader.quantized_weight(name)
 
 
 def linear_names(tensors: Mapping[str, torch.Tensor], *, lm_head: bool = False) -> list[str]:
@@ -110,6 +163,18 @@ def compressed_tensors_dequantize(t: Mapping[str, torch.Tensor], module: str, bi
     g = (t[f"{module}.weight_g_idx"].numpy() if f"{module}.weight_g_idx" in t
          else np.arange(k) // (k // groups))
     return _float32((q - zp[:, g]).astype(np.float32) * scales[:, g])
+
+
+def fp8_dequantize(t: Mapping[str, torch.Tensor], module: str) -> torch.Tensor:
+    """``weight`` e4m3fn bytes decoded bit by bit, times ``weight_scale`` (per tensor or row),
+    multiplied in float32 as the format's readers do."""
+    b = t[f"{module}.weight"].view(torch.uint8).numpy().astype(np.int64)
+    e, m = (b >> 3) & 15, b & 7
+    magnitude = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7))
+    values = np.where(b & 0x80, -magnitude, magnitude)
+    values[(b & 0x7F) == 0x7F] = np.nan
+    scale = t[f"{module}.weight_scale"].float().numpy().reshape(-1, 1)  # [N or 1, 1]
+    return _float32(values.astype(np.float32) * scale)
 
 
 def _awq_columns(words: torch.Tensor) -> np.ndarray:

@@ -281,7 +281,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     else:
         group_text = "one group per row" if report.group_size == -1 else (
             f"groups of {report.group_size}")
-        print(f"wrote {report.out} ({report.format}, {report.bits}-bit, {group_text}, "
+        values = "fp8 e4m3" if report.method == "fp8" else f"{report.bits}-bit"
+        print(f"wrote {report.out} ({report.format}, {values}, {group_text}, "
               f"{report.linears} linears, {summary['mb_written']} MB, {summary['seconds']} s)")
     return 0
 
@@ -406,12 +407,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="HF model directory | .gguf | smollm2")
     p.add_argument("out", help="directory to write (new or empty)")
     p.add_argument("--method", required=True,
-                   choices=["rtn-int8", "rtn-int4", "gptq-int8", "gptq-int4", "awq-int4"],
-                   help="rtn: round to nearest; gptq, awq: GPTQ or AWQ on --calibration text")
+                   choices=["rtn-int8", "rtn-int4", "gptq-int8", "gptq-int4", "awq-int4", "fp8"],
+                   help="rtn: round to nearest; gptq, awq: GPTQ or AWQ on --calibration text; "
+                        "fp8: e4m3 with a scale per channel (compressed-tensors float-quantized, "
+                        "activations per token at run time)")
     p.add_argument("--format", choices=["compressed-tensors", "gptq", "awq"],
                    default="compressed-tensors",
-                   help="checkpoint layout (default compressed-tensors pack-quantized; awq: "
-                        "AutoAWQ's GEMM layout, 4-bit groups)")
+                   help="checkpoint layout (default compressed-tensors: pack-quantized, or "
+                        "float-quantized for fp8; awq: AutoAWQ's GEMM layout, 4-bit groups)")
     p.add_argument("--group-size", default="auto",
                    help="columns per scale: auto (int4: 128, 64 or 32, whichever divides "
                         "every projection; int8: per channel), N, or -1 (per channel)")

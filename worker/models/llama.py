@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
+from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from kernels.packed_weight import PackedWeight
 from kernels.rotary import Llama3Scaling, cos_sin_cache
-from worker.models.packed_modules import PackedEmbedding, PackedLinear
+from worker.models.packed_modules import PackedEmbedding, PackedLinear, PackedMatrix
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +175,7 @@ class LlamaModel(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return ops.linear(hidden, weight).float()
 
-    def adopt_packed(self, packed: Callable[[str], PackedWeight | IntWeight | None]) -> None:
+    def adopt_packed(self, packed: Callable[[str], PackedMatrix | None]) -> None:
         """Swap in packed projections and embeddings wherever ``packed(hf_name)`` gives the
         weights packed (every part of a fused matrix must; else it stays float). Called on a
         model still on the meta device, so the float matrices it replaces are never
@@ -183,8 +184,8 @@ class LlamaModel(nn.Module):
         if isinstance(embed, PackedWeight):
             self.embed_tokens = PackedEmbedding(embed)  # type: ignore[assignment]
         elif embed is not None:
-            raise ValueError("tensor model.embed_tokens.weight: integer embeddings are not "
-                             "implemented")
+            raise ValueError(f"tensor model.embed_tokens.weight: {'+'.join(embed.types)} "
+                             "embeddings are not implemented (GGUF blocks)")
         if self.lm_head is not None and (head := packed("lm_head.weight")) is not None:
             self.lm_head = PackedLinear(head)  # type: ignore[assignment]
         for i, layer in enumerate(self.layers):
@@ -244,11 +245,13 @@ class LlamaModel(nn.Module):
             raise KeyError(f"{len(missing)} weight tensors missing: {shown}")
 
 
-def _stack(parts: list[PackedWeight | IntWeight], label: str) -> PackedWeight | IntWeight:
+def _stack(parts: list[PackedMatrix], label: str) -> PackedMatrix:
     """The fused matrix of a layer's parts, all of one kind."""
     try:
         if all(isinstance(p, IntWeight) for p in parts):
             return IntWeight.cat(parts)  # type: ignore[arg-type]
+        if all(isinstance(p, Fp8Weight) for p in parts):
+            return Fp8Weight.cat(parts)  # type: ignore[arg-type]
         if all(isinstance(p, PackedWeight) for p in parts):
             return PackedWeight.cat(parts)  # type: ignore[arg-type]
     except ValueError as exc:

@@ -1,6 +1,7 @@
 """Model parts whose weights stay packed: a projection (``PackedLinear``) over GGUF blocks
-(``kernels.packed_weight``) or integers with group scales (``kernels.int_weight``: GPTQ, AWQ,
-compressed-tensors), and an embedding table (``PackedEmbedding``) in GGUF block formats.
+(``kernels.packed_weight``), integers with group scales (``kernels.int_weight``: GPTQ, AWQ,
+compressed-tensors) or FP8 values scaled per row (``kernels.fp8_weight``), and an embedding
+table (``PackedEmbedding``) in GGUF block formats.
 
 They stand in for ``nn.Linear`` / ``nn.Embedding`` in a model whose file is quantized: the model
 calls ``ops.linear(x, module.weight)`` and ``module(ids)`` either way, and the kernels read the
@@ -14,14 +15,18 @@ import torch
 from torch import nn
 
 from kernels import ops
+from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from kernels.packed_weight import PackedWeight
+
+# Every matrix a PackedLinear may hold.
+PackedMatrix = PackedWeight | IntWeight | Fp8Weight
 
 
 class PackedLinear(nn.Module):
     """``x @ weight.T`` over a packed [out_features, in_features] matrix."""
 
-    def __init__(self, weight: PackedWeight | IntWeight) -> None:
+    def __init__(self, weight: PackedMatrix) -> None:
         super().__init__()
         self.weight = weight
         self.out_features, self.in_features = weight.shape

@@ -1,8 +1,8 @@
 """``tidegate quantize``: a float model (HF directory or GGUF) -> a quantized HF checkpoint.
 
 Every linear layer of the decoder (q/k/v/o, gate/up/down) becomes integers with a scale and
-zero point per group; embeddings, norms and the LM head stay float (as the W4A16/W8A16 schemes
-of compressed-tensors, GPTQ and AWQ checkpoints leave them). Methods:
+zero point per group, or FP8; embeddings, norms and the LM head stay float (as the W4A16/W8A16
+and FP8_DYNAMIC schemes of compressed-tensors, GPTQ and AWQ checkpoints leave them). Methods:
 
 * ``rtn-int8`` / ``rtn-int4``: round to nearest, no data needed;
 * ``gptq-int4`` / ``gptq-int8``: GPTQ (``gptq.py``) on calibration text, layer by layer: each
@@ -10,11 +10,13 @@ of compressed-tensors, GPTQ and AWQ checkpoints leave them). Methods:
   q/k/v (and gate/up) share their inputs' Hessian;
 * ``awq-int4``: AWQ (``awq.py``) on calibration text, layer by layer likewise: input channels
   scaled by their activations' magnitude before rounding, the inverse folded into the RMSNorm
-  weights (q/k/v, gate/up) and the up projection (down), then round to nearest.
+  weights (q/k/v, gate/up) and the up projection (down), then round to nearest;
+* ``fp8``: round to nearest e4m3 with a scale per output channel (max|w| / 448), no data
+  needed; activations are quantized per token at run time (llm-compressor's FP8_DYNAMIC).
 
 The checkpoint is written by ``checkpoint_writer`` in compressed-tensors' pack-quantized
-format (default) or GPTQ's, with config.json and the tokenizer, so tidegate, transformers and
-vLLM read it.
+format (default; float-quantized for fp8), GPTQ's or AWQ's, with config.json and the
+tokenizer, so tidegate, transformers and vLLM read it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 from kernels import ops
+from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from tidegate.model_files.model_source import ModelLoadError, ModelSource, resolve_model
 from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
@@ -49,6 +52,7 @@ from worker.quantization.gptq import HessianStats, gptq_quantize
 METHODS: dict[str, tuple[int, str]] = {
     "rtn-int8": (8, "rtn"), "rtn-int4": (4, "rtn"),
     "gptq-int8": (8, "gptq"), "gptq-int4": (4, "gptq"), "awq-int4": (4, "awq"),
+    "fp8": (8, "fp8"),
 }
 FORMATS = ("compressed-tensors", "gptq", "awq")
 # Calibration rows each projection's AWQ scale search sees (evenly spaced over the windows).
@@ -103,7 +107,9 @@ def quantize_model(spec: str, out: Path, options: QuantizeOptions,
     if options.format not in FORMATS:
         raise QuantizeError(f"--format {options.format!r}: one of {', '.join(FORMATS)}")
     bits, algorithm = METHODS[options.method]
-    if algorithm != "rtn" and not options.calibration:
+    if algorithm == "fp8":
+        _check_fp8_options(options)
+    elif algorithm != "rtn" and not options.calibration:
         raise QuantizeError(f"--method {options.method} calibrates: give --calibration FILE")
     if options.act_order and algorithm != "gptq":
         raise QuantizeError("--act-order is a GPTQ option (gptq-int4, gptq-int8)")
@@ -117,14 +123,12 @@ def quantize_model(spec: str, out: Path, options: QuantizeOptions,
     if options.format == "awq" and (bits != 4 or group is None):
         raise QuantizeError("--format awq holds 4-bit integers in groups (not per channel)")
 
-    weights: dict[str, IntWeight] = {}
+    weights: Mapping[str, IntWeight | Fp8Weight] = {}
     calibration_tokens = 0
-    if algorithm == "rtn":
-        names = [n for i in range(config.num_layers) for _, _, ns in layer_matrices(i) for n in ns]
-        for done, name in enumerate(names, 1):
-            weights[name] = IntWeight.quantize(tensors[name], bits, group, options.symmetric)
-            if progress is not None:
-                progress("quantize", done, len(names))
+    if algorithm in ("rtn", "fp8"):
+        weights = _round_to_nearest(config, tensors, lambda w: (
+            Fp8Weight.quantize(w) if algorithm == "fp8"
+            else IntWeight.quantize(w, bits, group, options.symmetric)), progress)
     else:
         assert options.calibration is not None
         windows = _windows(tokenizer, options.calibration, options.context, options.max_windows)
@@ -145,6 +149,30 @@ def quantize_model(spec: str, out: Path, options: QuantizeOptions,
         act_order=options.act_order, format=options.format, linears=len(weights),
         calibration_tokens=calibration_tokens, seconds=time.perf_counter() - start,
         bytes_written=written, kinds=sorted({k for w in weights.values() for k in w.types}))
+
+
+def _check_fp8_options(options: QuantizeOptions) -> None:
+    if options.format != "compressed-tensors":
+        raise QuantizeError(f"--method fp8 writes compressed-tensors float-quantized, not "
+                            f"--format {options.format}")
+    if not options.symmetric:
+        raise QuantizeError("--asymmetric: FP8 weights are symmetric (--method fp8)")
+    if options.group_size not in ("auto", -1, None):
+        raise QuantizeError(f"--group-size {options.group_size}: --method fp8 has one scale per "
+                            "channel (auto or -1)")
+
+
+def _round_to_nearest(config: LlamaConfig, tensors: Mapping[str, torch.Tensor],
+                      rounded: Callable[[torch.Tensor], IntWeight | Fp8Weight],
+                      progress: Progress | None) -> dict[str, IntWeight | Fp8Weight]:
+    """Every decoder projection of ``tensors`` through ``rounded``, one at a time."""
+    names = [n for i in range(config.num_layers) for _, _, ns in layer_matrices(i) for n in ns]
+    out = {}
+    for done, name in enumerate(names, 1):
+        out[name] = rounded(tensors[name])
+        if progress is not None:
+            progress("quantize", done, len(names))
+    return out
 
 
 def _source(spec: str) -> tuple[ModelSource, LlamaConfig, Mapping[str, torch.Tensor], Tokenizer]:
@@ -342,18 +370,22 @@ def _run_layer(layer: DecoderLayer, index: int, hidden: torch.Tensor,
     return ops.linear(act, layer.down_proj.weight), residual
 
 
-def quantize_loaded(model: LlamaModel, bits: int, group_size: int | None = None,
+def quantize_loaded(model: LlamaModel, bits: int | str, group_size: int | None = None,
                     symmetric: bool = True) -> int:
     """Round-to-nearest quantization of a loaded model's decoder projections in place, on its
     device (benchmarks of random-weight models; a real checkpoint goes through
-    ``quantize_model``). Returns how many matrices were quantized."""
+    ``quantize_model``). ``bits``: 4 or 8 (integers in groups of ``group_size``), or "fp8"
+    (e4m3, a scale per output channel). Returns how many matrices were quantized."""
+    if bits == "fp8" and (group_size is not None or not symmetric):
+        raise ValueError("fp8 has one symmetric scale per output channel")
     count = 0
     for i, layer in enumerate(model.layers):
         for attr, _, _ in layer_matrices(i):
             module = getattr(layer, attr)
             if isinstance(module, PackedLinear):
                 continue
-            weight = IntWeight.quantize(module.weight.data, bits, group_size, symmetric)
+            weight = (Fp8Weight.quantize(module.weight.data) if bits == "fp8" else
+                      IntWeight.quantize(module.weight.data, int(bits), group_size, symmetric))
             setattr(layer, attr, PackedLinear(weight))
             del module
             count += 1

@@ -1,6 +1,7 @@
 """The checkpoint writer as other readers see it: transformers and compressed-tensors 0.20 load
-what it writes to the values our reader gives, its configs parse as transformers' own config
-classes, and what no format can hold is refused by name."""
+what it writes (integers and FP8) to the values our reader gives, its FP8 config is
+llm-compressor's FP8_DYNAMIC preset, its configs parse as transformers' own config classes, and
+what no format can hold is refused by name."""
 
 from __future__ import annotations
 
@@ -14,24 +15,21 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AwqConfig, GPTQConfig
 
+from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from kernels.rotary import Llama3Scaling
+from tests.worker.compressed_tensors_oracle import needs_compressed_tensors
 from tests.worker.hf_oracle import causal_logits
 from tests.worker.quantized_checkpoints import linear_names, random_int_weights
 from tests.worker.tiny_checkpoints import tiny_hf_model, write_hf_dir
 from worker.models.llama import LlamaConfig, LlamaModel
 from worker.models.loaders.hf_weights import hf_llama_config
+from worker.models.loaders.loader import load_model
 from worker.models.loaders.quantized.quantized_safetensors import QuantizedSafetensors
 from worker.quantization.checkpoint_writer import write_checkpoint
 
-try:
-    import compressed_tensors
-except ImportError:
-    compressed_tensors = None
-needs_compressed_tensors = pytest.mark.skipif(
-    compressed_tensors is None, reason="compressed-tensors is not installed "
-    "(pip install --no-deps compressed-tensors==0.20.0 loguru==0.7.3)")
 IDS = [256, *range(40, 100, 3), 10, 32, 200, 255]
+Q_PROJ = "model.layers.0.self_attn.q_proj"
 
 
 @pytest.fixture(scope="module")
@@ -53,22 +51,26 @@ def rtn(tensors: dict[str, torch.Tensor], bits: int, group: int | None,
             for n in linear_names(tensors)}
 
 
+def fp8(tensors: dict[str, torch.Tensor]) -> dict[str, Fp8Weight]:
+    return {n: Fp8Weight.quantize(tensors[n]) for n in linear_names(tensors)}
+
+
 VARIANTS = {"w4-g32-asym": (4, 32, False), "w4-channel-sym": (4, None, True),
             "w8-channel-asym": (8, None, False), "w8-g32-sym": (8, 32, True)}
 
 
 @needs_compressed_tensors
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [*VARIANTS, "fp8"])
 def test_transformers_loads_our_compressed_tensors_checkpoint_to_our_values(
         tmp_path: Path, float_dir: Path, variant: str) -> None:
-    """transformers' compressed-tensors integration, dequantizing on the CPU: the same weights
-    as our reader, and the same logits as our model on them."""
+    """transformers' compressed-tensors integration, dequantizing on the CPU (pack-quantized
+    integers, float-quantized FP8): the same weights as our reader, and the same logits as our
+    model on them, dequantized or kept packed (the native kernels)."""
     from transformers import CompressedTensorsConfig
 
-    bits, group, symmetric = VARIANTS[variant]
     source = tensors(float_dir)
-    write_checkpoint(tmp_path, hf_config(float_dir), source, rtn(source, bits, group, symmetric),
-                     float_dir)
+    weights = fp8(source) if variant == "fp8" else rtn(source, *VARIANTS[variant])
+    write_checkpoint(tmp_path, hf_config(float_dir), source, weights, float_dir)
     with warnings.catch_warnings():  # "quantization_config given twice": dequantize is ours
         warnings.simplefilter("ignore", UserWarning)
         hf = AutoModelForCausalLM.from_pretrained(
@@ -80,9 +82,12 @@ def test_transformers_loads_our_compressed_tensors_checkpoint_to_our_values(
         assert torch.equal(loaded[name].float(), reader[name]), name
     model = LlamaModel(reader.config).eval()
     model.load_hf_state_dict(reader)
+    packed = load_model(str(tmp_path))
+    assert packed.packed_types() == [next(iter(weights.values())).types[0]]
     with torch.no_grad():
         want = hf(torch.tensor([IDS])).logits[0]
-    assert (causal_logits(model, IDS) - want).abs().max().item() < 1e-4
+    for ours in (model, packed.model):
+        assert (causal_logits(ours, IDS) - want).abs().max().item() < 1e-4
 
 
 @needs_compressed_tensors
@@ -111,6 +116,53 @@ def test_compressed_tensors_decompresses_our_checkpoint_to_our_values(
         # It multiplies in the scales' float16: our exact float32 product, rounded once.
         assert theirs.dtype == torch.float16
         assert torch.equal(theirs, reader[name].half()), name
+
+
+@needs_compressed_tensors
+def test_our_fp8_checkpoint_is_llm_compressors_fp8_dynamic(tmp_path: Path,
+                                                          float_dir: Path) -> None:
+    """The config group is the FP8_DYNAMIC preset field for field, compressed-tensors' own
+    QuantizationConfig parses it, and its float-quantized compressor decompresses each linear
+    to our reader's values (float32 scales: to the bit)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    write_checkpoint(tmp_path, hf_config(float_dir), tensors(float_dir), fp8(tensors(float_dir)))
+    written = hf_config(tmp_path)["quantization_config"]
+    group = written["config_groups"]["group_0"]
+    preset = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
+    assert group["weights"] == preset.weights.model_dump()
+    assert group["input_activations"] == preset.input_activations.model_dump()
+    assert (written["format"], group["format"], written["ignore"]) == (
+        "float-quantized", "float-quantized", ["lm_head"])
+    scheme = QuantizationConfig.model_validate(written).config_groups["group_0"]
+    compressor = BaseCompressor.get_value_from_registry(scheme.format)
+    stored, reader = tensors(tmp_path), QuantizedSafetensors(tmp_path)
+    assert stored[f"{Q_PROJ}.weight"].dtype == torch.float8_e4m3fn
+    assert stored[f"{Q_PROJ}.weight_scale"].shape == (64, 1)
+    for name in reader.quantized:
+        module = name.removesuffix(".weight")
+        state = {k.removeprefix(f"{module}."): v for k, v in stored.items()
+                 if k.startswith(f"{module}.")}
+        assert torch.equal(compressor.decompress(state, scheme)["weight"], reader[name]), name
+
+
+def test_fp8_weights_go_only_into_float_quantized(tmp_path: Path, float_dir: Path) -> None:
+    source = tensors(float_dir)
+    weights = fp8(source)
+    for options, match in [
+        ({"format": "gptq"}, "checkpoint format 'gptq' holds integers; FP8 weights are written "
+         r"compressed-tensors \(float-quantized\)"),
+        ({"format": "awq"}, "checkpoint format 'awq' holds integers"),
+        ({"scale_dtype": torch.bfloat16}, "FP8 weights are symmetric, with the float32 scales"),
+        ({"symmetric": False}, "FP8 weights are symmetric"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            write_checkpoint(tmp_path, hf_config(float_dir), source, weights, **options)
+    mixed = {**weights, "model.layers.1.mlp.down_proj.weight": IntWeight.quantize(
+        source["model.layers.1.mlp.down_proj.weight"], 8)}
+    with pytest.raises(ValueError, match="down_proj.weight: integer and FP8 linears mixed"):
+        write_checkpoint(tmp_path, hf_config(float_dir), source, mixed)
 
 
 def test_gptq_and_awq_configs_parse_as_transformers_configs(tmp_path: Path,

@@ -1,8 +1,8 @@
 """``tidegate quantize`` as a user runs it: a tiny HF directory or GGUF in, a compressed-tensors
-(or GPTQ) directory out, which tidegate then loads with its integers kept packed. Round to
-nearest must give exactly ``IntWeight.quantize`` of the source weights; GPTQ must beat it on
-its own calibration text; bad arguments exit 2 with a message. The default model quantized
-serves the tokens of its own dequantized weights."""
+(or GPTQ) directory out, which tidegate then loads with its integers (or FP8 values) kept
+packed. Round to nearest must give exactly ``IntWeight.quantize`` (``Fp8Weight.quantize``) of the
+source weights; GPTQ must beat it on its own calibration text; bad arguments exit 2 with a
+message. The default model quantized serves the tokens of its own dequantized weights."""
 
 from __future__ import annotations
 
@@ -15,12 +15,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from tests.worker.tiny_checkpoints import tiny_hf_model, write_gguf, write_hf_dir
 from tidegate.protocol import SamplingParams
 from worker.engine.engine import Engine, EngineConfig, EngineRequest
 from worker.models.llama import CausalAttention
 from worker.models.loaders.loader import LoadedModel, load_model
+from worker.models.packed_modules import PackedLinear
+from worker.quantization.quantize import quantize_loaded
 
 TEXT = ("The tide came in over the flats, slowly at first and then all at once; the gate "
         "keeper counted the waves and wrote each one down. ") * 8
@@ -67,6 +70,48 @@ def test_round_to_nearest_writes_what_int_weight_quantize_gives(
         assert torch.equal(getattr(layer, attr).weight.dequantize(), want.dequantize())
     # The same model, float: what the integers cost is a small error, not a different model.
     assert rel(logits(loaded), logits(source)) < (0.4 if bits == 4 else 0.03)
+
+
+def test_fp8_writes_what_fp8_weight_quantize_gives(hf_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "q"
+    done = quantize(str(hf_dir), str(out), "--method", "fp8", "--json", "--progress")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.endswith("quantize [" + "#" * 30 + "] 14/14\n")
+    report = json.loads(done.stdout)
+    assert (report["method"], report["format"], report["linears"]) == ("fp8",
+                                                                        "compressed-tensors", 14)
+    quantization = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert quantization["format"] == "float-quantized"
+    loaded = load_model(str(out))
+    assert loaded.packed_types() == ["fp8-e4m3-channel"]
+    source = load_model(str(hf_dir))
+    for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        got = getattr(loaded.model.layers[1], attr).weight
+        want = Fp8Weight.quantize(getattr(source.model.layers[1], attr).weight.data)
+        assert torch.equal(got.weight.view(torch.uint8), want.weight.view(torch.uint8))
+        assert torch.equal(got.scales, want.scales)
+    # e4m3 keeps 3 mantissa bits: each weight within 1/16 of itself (int8 per channel is finer
+    # on Gaussian weights); on this random model the logits move ~8%, not a different model.
+    assert rel(logits(loaded), logits(source)) < 0.15
+
+
+def test_quantize_loaded_swaps_every_projection_for_fp8() -> None:
+    """The in-memory quantizer of the GPU benchmarks, on a random model where it lies."""
+    loaded = load_model("random:tiny")
+    attrs = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    floats = [{a: getattr(layer, a).weight.detach().clone() for a in attrs}
+              for layer in loaded.model.layers]
+    with pytest.raises(ValueError, match="fp8 has one symmetric scale per output channel"):
+        quantize_loaded(loaded.model, "fp8", group_size=32)
+    assert quantize_loaded(loaded.model, "fp8") == 4 * len(floats)
+    assert loaded.packed_types() == ["fp8-e4m3-channel"]
+    for layer, before in zip(loaded.model.layers, floats, strict=True):
+        for attr in attrs:
+            module = getattr(layer, attr)
+            assert isinstance(module, PackedLinear) and module.weight.device.type == "cpu"
+            assert torch.equal(module.weight.dequantize(),
+                               Fp8Weight.quantize(before[attr]).dequantize())
+    assert quantize_loaded(loaded.model, "fp8") == 0  # already quantized: left as they are
 
 
 def test_gptq_beats_round_to_nearest_on_its_calibration_text(hf_dir: Path,
@@ -135,18 +180,21 @@ def test_awq_scales_favour_the_loud_channels() -> None:
     assert err(scaled) < err(rtn)
 
 
-def test_a_gguf_source_keeps_its_tokenizer(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("method", "values", "error"), [("rtn-int8", "8-bit", 0.03),
+                                                         ("fp8", "fp8 e4m3", 0.15)])
+def test_a_gguf_source_keeps_its_tokenizer(tmp_path: Path, method: str, values: str,
+                                           error: float) -> None:
     gguf = write_gguf(tiny_hf_model(tied=True), tmp_path / "m.gguf",
                       qtype=GGMLQuantizationType.Q8_0)
     out = tmp_path / "q"
-    done = quantize(str(gguf), str(out), "--method", "rtn-int8")
+    done = quantize(str(gguf), str(out), "--method", method)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"wrote {out} (compressed-tensors, 8-bit")
+    assert done.stdout.startswith(f"wrote {out} (compressed-tensors, {values}")
     loaded, source = load_model(str(out)), load_model(str(gguf))
     chat = [{"role": "user", "content": "hello, tide gate"}]
     assert loaded.tokenizer.encode_prompt(None, chat) == source.tokenizer.encode_prompt(None, chat)
     assert loaded.tokenizer.eos_token_ids == source.tokenizer.eos_token_ids
-    assert rel(logits(loaded), logits(source)) < 0.03
+    assert rel(logits(loaded), logits(source)) < error
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -158,6 +206,11 @@ def test_a_gguf_source_keeps_its_tokenizer(tmp_path: Path) -> None:
     (["--method", "rtn-int4", "--act-order"], "--act-order is a GPTQ option"),
     (["--method", "rtn-int4", "--calibration", "/nonexistent"], "cannot read --calibration"),
     (["--method", "fp16"], "invalid choice: 'fp16'"),
+    (["--method", "fp8", "--format", "gptq"],
+     "--method fp8 writes compressed-tensors float-quantized, not --format gptq"),
+    (["--method", "fp8", "--asymmetric"], "--asymmetric: FP8 weights are symmetric"),
+    (["--method", "fp8", "--group-size", "32"],
+     "--group-size 32: --method fp8 has one scale per channel"),
 ])
 def test_bad_arguments_exit_2(hf_dir: Path, tmp_path: Path, args: list[str],
                               message: str) -> None:
@@ -198,12 +251,16 @@ def generate(loaded: LoadedModel, prompts: list[str], max_tokens: int = 32) -> l
 
 
 @pytest.mark.slow
-def test_the_quantized_default_model_serves_its_dequantized_tokens(tmp_path: Path) -> None:
-    out = tmp_path / "smollm2-int4"
-    done = quantize("smollm2", str(out), "--method", "rtn-int4")
+@pytest.mark.parametrize(("method", "kind"), [("rtn-int4", "int4-g64"),
+                                              ("fp8", "fp8-e4m3-channel")])
+def test_the_quantized_default_model_serves_its_dequantized_tokens(tmp_path: Path, method: str,
+                                                                   kind: str) -> None:
+    """Kept packed (the native kernel) or dequantized at load: the same greedy tokens."""
+    out = tmp_path / f"smollm2-{method}"
+    done = quantize("smollm2", str(out), "--method", method)
     assert done.returncode == 0, done.stderr
     packed, dequantized = load_model(str(out)), load_model(str(out), packed=False)
-    assert packed.packed_types() == ["int4-g64"] and dequantized.packed_types() == []
+    assert packed.packed_types() == [kind] and dequantized.packed_types() == []
     prompts = ["What is the capital of France?", "Write a haiku about the sea.",
                "List three prime numbers.", "Why is the sky blue?"]
     want, got = generate(dequantized, prompts), generate(packed, prompts)

@@ -10,9 +10,10 @@ projections and embedding hold the file's blocks and the native kernels read the
 default model (Q4_1, 98 MB) stays 98 MB instead of 540 MB of float32. On accelerators, or where
 the native kernels do not build, the matrices are dequantized to ``dtype`` as before.
 
-A Hugging Face directory with a ``quantization_config`` (GPTQ, AWQ, compressed-tensors;
-``quantized/``) keeps its integer matrices as ``IntWeight``s, on the CPU (native kernel,
-float32) and on CUDA (Triton); elsewhere, or with ``packed=False``, they are dequantized.
+A Hugging Face directory with a ``quantization_config`` (GPTQ, AWQ, compressed-tensors, FP8;
+``quantized/``) keeps its integer matrices as ``IntWeight``s and its FP8 ones as ``Fp8Weight``s,
+on the CPU (native kernel, float32) and on CUDA (Triton); elsewhere, or with ``packed=False``,
+they are dequantized.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from kernels.native_cpu import native_kernels
-from kernels.packed_weight import PackedWeight
 from kernels.rotary import cos_sin_cache
 from tidegate.model_files.model_source import ModelLoadError, ModelSource, resolve_model
 from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
@@ -38,6 +39,7 @@ from worker.models.loaders.quantized.quantized_safetensors import (
     quantization_config,
 )
 from worker.models.loaders.random_weights import init_random_weights, preset_llama_config
+from worker.models.packed_modules import PackedMatrix
 
 
 @dataclass
@@ -54,14 +56,14 @@ class LoadedModel:
         return total + sum(w.nbytes for w in self._packed())
 
     def packed_types(self) -> list[str]:
-        """The types of the packed matrices (GGML types, or int4-g128 and the like), most
+        """The types of the packed matrices (GGML types, int4-g128, fp8-e4m3-channel), most
         common first ([] if none is packed)."""
         counts = Counter(name for w in self._packed() for name in w.types)
         return [name for name, _ in counts.most_common()]
 
-    def _packed(self) -> Iterator[PackedWeight | IntWeight]:
+    def _packed(self) -> Iterator[PackedMatrix]:
         for module in self.model.modules():
-            if isinstance(weight := getattr(module, "weight", None), PackedWeight | IntWeight):
+            if isinstance(weight := getattr(module, "weight", None), PackedMatrix):
                 yield weight
 
 
@@ -115,7 +117,7 @@ def load_model(
             if packed and isinstance(weights, GGUFWeights):
                 model = empty_model(config, device, dtype, packed=weights.packed)
             elif packed and isinstance(weights, QuantizedSafetensors):
-                model = empty_model(config, device, dtype, packed=weights.int_weight)
+                model = empty_model(config, device, dtype, packed=weights.quantized_weight)
             else:
                 model = empty_model(config, device, dtype)
             model.load_hf_state_dict(
@@ -127,25 +129,25 @@ def load_model(
 
 
 def int_serves(device: str | torch.device, dtype: torch.dtype) -> bool:
-    """Whether the integer kernels serve a model on ``device`` in ``dtype``: Triton on CUDA,
-    the native kernel on the CPU in float32."""
+    """Whether the integer and FP8 kernels serve a model on ``device`` in ``dtype``: on CUDA
+    (Triton), and on the CPU in float32 (the native kernel)."""
     return torch.device(device).type == "cuda" or packed_serves(device, dtype)
 
 
 class DequantizedView(Mapping[str, torch.Tensor]):
-    """A quantized checkpoint's tensors as float: its integer matrices dequantized (what a
-    model that keeps nothing packed loads)."""
+    """A quantized checkpoint's tensors as float: its integer and FP8 matrices dequantized
+    (what a model that keeps nothing packed loads)."""
 
     def __init__(self, weights: QuantizedSafetensors) -> None:
         self.weights = weights
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if (weight := self.weights.int_weight(name)) is not None:
+        if (weight := self.weights.quantized_weight(name)) is not None:
             return weight.dequantize()
         return self.weights[name]
 
     def __contains__(self, name: object) -> bool:
-        return (isinstance(name, str) and self.weights.int_weight(name) is not None
+        return (isinstance(name, str) and self.weights.quantized_weight(name) is not None
                 ) or name in self.weights
 
     def __iter__(self) -> Iterator[str]:
@@ -162,7 +164,7 @@ def packed_serves(device: str | torch.device, dtype: torch.dtype) -> bool:
 
 
 def empty_model(config: LlamaConfig, device: str | torch.device, dtype: torch.dtype, *,
-                packed: Callable[[str], PackedWeight | IntWeight | None] | None = None
+                packed: Callable[[str], PackedMatrix | None] | None = None
                 ) -> LlamaModel:
     """A model with uninitialised weights allocated once, in ``dtype`` on ``device``.
 
@@ -177,7 +179,7 @@ def empty_model(config: LlamaConfig, device: str | torch.device, dtype: torch.dt
         model.adopt_packed(packed)
     model = model.to(dtype=dtype).to_empty(device=device)
     for module in model.modules():  # packed weights are attributes, which Module.to leaves
-        if isinstance(weight := getattr(module, "weight", None), IntWeight):
+        if isinstance(weight := getattr(module, "weight", None), IntWeight | Fp8Weight):
             module.weight = weight.to(device)
     model.rope_cache = cos_sin_cache(
         config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling

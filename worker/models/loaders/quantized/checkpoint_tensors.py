@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from tidegate.model_files.model_source import ModelLoadError
 from worker.models.llama import LlamaConfig, layer_matrices
@@ -64,7 +65,8 @@ class CheckpointFormat(Protocol):
 
     def quantized(self, module: str, tensors: CheckpointTensors) -> bool: ...
 
-    def read(self, module: str, shape: tuple[int, int], tensors: CheckpointTensors) -> IntWeight: ...
+    def read(self, module: str, shape: tuple[int, int], tensors: CheckpointTensors
+             ) -> IntWeight | Fp8Weight: ...
 
 
 def unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

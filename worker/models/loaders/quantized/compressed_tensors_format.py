@@ -1,6 +1,7 @@
 """compressed-tensors checkpoints (llm-compressor), as version 0.20 writes them:
 ``CompressedTensorsFormat`` matches each linear to its ``config_groups`` scheme and reads the
-``pack-quantized`` or ``int-quantized`` / ``naive-quantized`` tensors into an ``IntWeight``."""
+``pack-quantized`` or ``int-quantized`` / ``naive-quantized`` tensors into an ``IntWeight``, and
+FP8 ``float-quantized`` ones into an ``Fp8Weight`` (``float_format``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from tidegate.model_files.model_source import ModelLoadError
 from worker.models.loaders.quantized.checkpoint_tensors import (
@@ -21,6 +23,7 @@ from worker.models.loaders.quantized.checkpoint_tensors import (
     check_divides,
     unpack_words,
 )
+from worker.models.loaders.quantized.float_format import fp8_scheme, read_fp8
 
 
 class CompressedTensorsFormat:
@@ -36,13 +39,15 @@ class CompressedTensorsFormat:
     * ``int-quantized`` / ``naive-quantized`` (W8A8 INT8): ``weight`` int8 [N, K], signed, with
       ``weight_scale`` [N, 1] (or [N, K/G], or [1]) and an optional signed ``weight_zero_point``.
       Activation quantization is not applied: the weights are served with float activations.
+    * ``float-quantized`` (FP8, FP8_DYNAMIC; weight-only FP8 is ``naive-quantized``): ``weight``
+      float8_e4m3fn [N, K] with ``weight_scale`` per tensor or channel (``float_format``).
     """
 
     name = "compressed-tensors"
     owned = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
              "weight_g_idx", "input_scale", "input_zero_point")
     markers = (".weight_packed", ".weight_scale")
-    FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+    FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 
     def __init__(self, config: Mapping[str, Any], where: str) -> None:
         self.where = where
@@ -56,7 +61,7 @@ class CompressedTensorsFormat:
         self.ignore = tuple(config.get("ignore") or ())
 
     def scheme(self, module: str) -> dict[str, Any] | None:
-        """The weight scheme (format, bits, strategy, group_size, symmetric, act_order) that
+        """The weight scheme (format, type, bits, strategy, group_size, symmetric, act_order) that
         quantizes ``module``, or None where it stays float."""
         if any(_targets(module, t) for t in self.ignore):
             return None
@@ -74,9 +79,12 @@ class CompressedTensorsFormat:
                                  f"{module} and does not ignore it")
         return True
 
-    def read(self, module: str, shape: tuple[int, int], tensors: CheckpointTensors) -> IntWeight:
+    def read(self, module: str, shape: tuple[int, int], tensors: CheckpointTensors
+             ) -> IntWeight | Fp8Weight:
         scheme = self.scheme(module)
         assert scheme is not None
+        if scheme["type"] == "float":
+            return read_fp8(module, shape, tensors, scheme["strategy"], self.name)
         n, k = shape
         bits, fmt = scheme["bits"], scheme["format"]
         g = scheme["group_size"] if scheme["strategy"] == "group" else k
@@ -133,18 +141,25 @@ class CompressedTensorsFormat:
         weights = body.get("weights")
         if not isinstance(weights, dict):
             raise ModelLoadError(f"{where} ({fmt}) quantizes no weights")
-        inputs = body.get("input_activations")
-        if inputs and str(inputs.get("type", "int")) != "int":
-            raise ModelLoadError(f"{where} ({fmt}): float input_activations are not supported")
         if body.get("output_activations"):
             raise ModelLoadError(f"{where} ({fmt}): output_activations are not supported")
-        return {"format": fmt, "targets": tuple(body.get("targets") or ()),
-                **self._weight_args(weights, f"{where}.weights ({fmt})", fmt)}
+        inputs = body.get("input_activations")
+        if str(weights.get("type", "int")) == "float":
+            args = fp8_scheme(weights, inputs, f"{where}.weights ({fmt})", fmt)
+        elif inputs and str(inputs.get("type", "int")) != "int":
+            raise ModelLoadError(f"{where} ({fmt}): float input_activations with int weights "
+                                 "(W4AFP8) are not supported")
+        else:
+            args = self._weight_args(weights, f"{where}.weights ({fmt})", fmt)
+        return {"format": fmt, "targets": tuple(body.get("targets") or ()), **args}
 
     def _weight_args(self, w: dict[str, Any], where: str, fmt: str) -> dict[str, Any]:
         if str(w.get("type", "int")) != "int":
-            raise ModelLoadError(f"{where}: type {w.get('type')!r} (float weights, e.g. FP8) "
-                                 "is not supported (int)")
+            raise ModelLoadError(f"{where}: type {w.get('type')!r} is not supported (int, "
+                                 "float)")
+        if fmt == "float-quantized":
+            raise ModelLoadError(f"{where}: int weights in format 'float-quantized' are not "
+                                 "supported (float)")
         bits = int(w.get("num_bits", 8))
         allowed = (8,) if fmt == "int-quantized" else (4, 8)
         if bits not in allowed:
@@ -163,7 +178,7 @@ class CompressedTensorsFormat:
         actorder = w.get("actorder")
         if actorder not in (None, False, "weight", "static", "group", "dynamic"):
             raise ModelLoadError(f"{where}: actorder {actorder!r} is not supported")
-        return {"bits": bits, "strategy": strategy, "group_size": group_size,
+        return {"type": "int", "bits": bits, "strategy": strategy, "group_size": group_size,
                 "symmetric": bool(w.get("symmetric", True)),
                 "act_order": actorder in ("group", "dynamic")}
 

@@ -1,8 +1,8 @@
 """A quantized Hugging Face checkpoint as HF-named tensors: ``quantization_config`` finds the
 checkpoint's settings, ``checkpoint_format`` picks the format's reader, and
-``QuantizedSafetensors`` gives a quantized linear both ways: ``int_weight`` (the integers, for the
-integer kernels) and ``__getitem__`` (dequantized to float32, as the GGUF reader does for
-accelerators); every other tensor reads as stored."""
+``QuantizedSafetensors`` gives a quantized linear both ways: ``quantized_weight`` (the integers
+or FP8 values as stored, for their kernels) and ``__getitem__`` (dequantized to float32, as the
+GGUF reader does for accelerators); every other tensor reads as stored."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from tidegate.model_files.model_source import ModelLoadError, hf_config
 from worker.models.loaders.hf_weights import SafetensorsWeights
@@ -23,6 +24,7 @@ from worker.models.loaders.quantized.checkpoint_tensors import (
     linear_shapes,
 )
 from worker.models.loaders.quantized.compressed_tensors_format import CompressedTensorsFormat
+from worker.models.loaders.quantized.float_format import Fp8Format
 from worker.models.loaders.quantized.gptq_format import GPTQFormat
 
 
@@ -54,13 +56,15 @@ def checkpoint_format(config: Mapping[str, Any], where: str) -> CheckpointFormat
         return AWQFormat(config, where)
     if method in ("compressed-tensors", "compressed_tensors"):
         return CompressedTensorsFormat(config, where)
+    if method == "fp8":
+        return Fp8Format(config, where)
     raise ModelLoadError(f"{where}: quantization_config.quant_method {method!r} is not "
-                         "supported (gptq, awq, compressed-tensors)")
+                         "supported (gptq, awq, compressed-tensors, fp8)")
 
 
 class QuantizedSafetensors(Mapping[str, torch.Tensor]):
     """The HF-named tensors of a quantized checkpoint; a quantized linear's weight name gives
-    its integers (``int_weight``) or, looked up, its dequantized float32 matrix."""
+    its stored values (``quantized_weight``) or, looked up, its dequantized float32 matrix."""
 
     def __init__(self, model_dir: Path) -> None:
         found = quantization_config(model_dir)
@@ -72,7 +76,7 @@ class QuantizedSafetensors(Mapping[str, torch.Tensor]):
         self.config = self.raw.config
         self.format = checkpoint_format(found, f"{model_dir / 'config.json'}")
         self._tensors = CheckpointTensors(self.raw, self.format.name)
-        # HF weight name -> (N, K) of each linear the checkpoint stores as integers
+        # HF weight name -> (N, K) of each linear the checkpoint stores quantized
         self.quantized = {name: shape for name, shape in linear_shapes(self.config).items()
                           if self.format.quantized(name.removesuffix(".weight"), self._tensors)}
         self._hidden = {f"{name.removesuffix('weight')}{suffix}" for name in self.quantized
@@ -84,7 +88,7 @@ class QuantizedSafetensors(Mapping[str, torch.Tensor]):
         self._names = [n for n in self.raw if n not in self._hidden]
         self._names += sorted(self.quantized.keys() - set(self._names))
 
-    def int_weight(self, hf_name: str) -> IntWeight | None:
+    def quantized_weight(self, hf_name: str) -> IntWeight | Fp8Weight | None:
         """The linear ``hf_name`` (``model.layers.3.self_attn.q_proj.weight``) as stored, or
         None where it is not quantized."""
         shape = self.quantized.get(hf_name)
@@ -95,11 +99,11 @@ class QuantizedSafetensors(Mapping[str, torch.Tensor]):
             return self.format.read(module, shape, self._tensors)
         except ModelLoadError:
             raise
-        except ValueError as exc:  # IntWeight's own checks (value ranges, group sizes)
+        except ValueError as exc:  # the weights' own checks (value ranges, group sizes)
             raise ModelLoadError(f"{self.path}: {module} ({self.format.name}): {exc}") from exc
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        weight = self.int_weight(name)
+        weight = self.quantized_weight(name)
         if weight is not None:
             return weight.dequantize()
         if name in self._hidden:

@@ -7,27 +7,35 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import LlamaForCausalLM
+from safetensors.torch import save_file
 
 from kernels.int_weight import IntWeight
+from tests.worker.compressed_tensors_oracle import (
+    decompress_with_compressed_tensors,
+    needs_compressed_tensors,
+    write_with_compressed_tensors,
+)
 from tests.worker.hf_oracle import causal_logits
 from tests.worker.quantized_checkpoints import (
+    Tiny,
     awq_dequantize,
     compressed_tensors_dequantize,
+    edit_config,
+    edit_tensors,
     gptq_dequantize,
     linear_names,
     random_int_weights,
+    refused,
+    stored,
+    tiny_checkpoint,
     with_scales_as,
 )
-from tests.worker.tiny_checkpoints import tiny_hf_model, write_hf_dir
-from tidegate.model_files.model_source import ModelLoadError
+from tests.worker.tiny_checkpoints import tiny_hf_model
 from worker.models.llama import LlamaModel
 from worker.models.loaders.quantized.quantized_safetensors import (
     QuantizedSafetensors,
@@ -39,19 +47,9 @@ IDS = [256, *range(40, 100, 3), 97, 98, 99, 10, 32, 200, 255]
 Q_PROJ = "model.layers.0.self_attn.q_proj"
 
 
-@dataclass
-class Tiny:
-    hf: LlamaForCausalLM
-    dir: Path  # the float checkpoint (config.json, tokenizer)
-    config: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
-    hf = tiny_hf_model(tied=False)
-    path = write_hf_dir(hf, tmp_path_factory.mktemp("float"))
-    return Tiny(hf, path, json.loads((path / "config.json").read_text()), hf.state_dict())
+    return tiny_checkpoint(tmp_path_factory.mktemp("float"))
 
 
 def write(path: Path, tiny: Tiny, weights: dict[str, IntWeight], fmt: str,
@@ -60,16 +58,12 @@ def write(path: Path, tiny: Tiny, weights: dict[str, IntWeight], fmt: str,
     return QuantizedSafetensors(path)
 
 
-def stored(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(path / "model.safetensors")
-
-
 def check_all(reader: QuantizedSafetensors, weights: dict[str, IntWeight],
               reference: Callable[[str], torch.Tensor], scale_dtype: torch.dtype) -> None:
     """Every linear reads as the format's definition says and as the integers written."""
     assert set(reader.quantized) == set(weights)
     for name, weight in weights.items():
-        got = reader.int_weight(name)
+        got = reader.quantized_weight(name)
         assert got is not None and got.bits == weight.bits
         values = got.dequantize()
         assert torch.equal(values, reference(name.removesuffix(".weight"))), name
@@ -93,7 +87,7 @@ def test_gptq_v1_reads_as_its_definition(tmp_path: Path, tiny: Tiny, bits: int,
     assert (config["bits"], config["group_size"], config["desc_act"], config["sym"]) == (
         bits, group or -1, act_order, symmetric)
     check_all(reader, weights, lambda m: gptq_dequantize(t, m, bits), torch.float16)
-    got = reader.int_weight(f"{Q_PROJ}.weight")
+    got = reader.quantized_weight(f"{Q_PROJ}.weight")
     assert got is not None and got.format == "gptq"
     assert got.group_size == (group or 64)
     g_idx = t[f"{Q_PROJ}.g_idx"]
@@ -127,11 +121,11 @@ def test_gptq_dynamic_rules_override_bits_per_module(tmp_path: Path, tiny: Tiny)
     edit_config(tmp_path / "a", dynamic={r"+:model\.layers\.1\.": {"bits": 8, "group_size": -1}})
     reader = QuantizedSafetensors(tmp_path / "a")
     for name in layer1:
-        got = reader.int_weight(name)
+        got = reader.quantized_weight(name)
         assert got is not None and (got.bits, got.group_size) == (8, tiny.tensors[name].shape[1])
         assert torch.equal(got.dequantize(),
                            gptq_dequantize(mixed, name.removesuffix(".weight"), 8))
-    first = reader.int_weight(f"{Q_PROJ}.weight")
+    first = reader.quantized_weight(f"{Q_PROJ}.weight")
     assert first is not None and (first.bits, first.group_size) == (4, 32)
 
 
@@ -145,7 +139,7 @@ def test_awq_gemm_reads_as_its_definition(tmp_path: Path, tiny: Tiny, group: int
     assert reader.quantization["zero_point"] is (not symmetric)
     assert reader.quantization["version"] == "gemm"
     check_all(reader, weights, lambda m: awq_dequantize(t, m), torch.float16)
-    got = reader.int_weight(f"{Q_PROJ}.weight")
+    got = reader.quantized_weight(f"{Q_PROJ}.weight")
     assert got is not None and got.format == "awq" and got.group_size == group
 
 
@@ -154,7 +148,7 @@ def test_awq_without_zero_point_or_qzeros_has_zero_eight(tmp_path: Path, tiny: T
     write(tmp_path, tiny, weights, "awq")
     t = {k: v for k, v in stored(tmp_path).items() if not k.endswith(".qzeros")}
     save_file(t, tmp_path / "model.safetensors")
-    got = QuantizedSafetensors(tmp_path).int_weight(f"{Q_PROJ}.weight")
+    got = QuantizedSafetensors(tmp_path).quantized_weight(f"{Q_PROJ}.weight")
     assert got is not None and torch.all(got.zeros == 8)
     assert torch.equal(got.dequantize(),
                        with_scales_as(weights[f"{Q_PROJ}.weight"], torch.float16).dequantize())
@@ -198,7 +192,7 @@ def test_compressed_tensors_older_unpacked_zero_points_and_g_idx(tmp_path: Path,
     edit_config(tmp_path, config_groups=config["config_groups"])
     reader = QuantizedSafetensors(tmp_path)
     for name in weights:
-        got = reader.int_weight(name)
+        got = reader.quantized_weight(name)
         assert got is not None and got.perm is not None
         assert torch.equal(got.dequantize(), compressed_tensors_dequantize(
             t, name.removesuffix(".weight"), 4, symmetric=False))
@@ -241,7 +235,7 @@ def test_compressed_tensors_int_quantized_is_served_as_8_bit_weights(
     check_all(reader, weights, lambda m: compressed_tensors_dequantize(t, m, 8, symmetric),
               torch.float32)
     if symmetric:
-        got = reader.int_weight(f"{Q_PROJ}.weight")
+        got = reader.quantized_weight(f"{Q_PROJ}.weight")
         assert got is not None and torch.all(got.zeros == 128)
 
 
@@ -255,9 +249,9 @@ def test_the_mapping_serves_plain_tensors_and_dequantized_linears(tmp_path: Path
     with pytest.raises(KeyError):
         reader[f"{Q_PROJ}.weight_scale"]
     assert torch.equal(reader[f"{Q_PROJ}.weight"], weights[f"{Q_PROJ}.weight"].dequantize())
-    assert reader.int_weight("lm_head.weight") is None  # in the ignore list: float
+    assert reader.quantized_weight("lm_head.weight") is None  # in the ignore list: float
     assert torch.equal(reader["lm_head.weight"], tiny.tensors["lm_head.weight"])
-    assert reader.int_weight("model.norm.weight") is None
+    assert reader.quantized_weight("model.norm.weight") is None
     assert quantization_config(tmp_path) == reader.quantization
     assert quantization_config(tiny.dir) is None
 
@@ -301,72 +295,15 @@ def test_a_model_of_the_dequantized_weights_matches_transformers(tmp_path: Path,
 
 # --- compressed-tensors' own checkpoints --------------------------------------------------
 
-try:
-    import compressed_tensors
-except ImportError:  # the third-party checks need it; everything else runs without
-    compressed_tensors = None
-needs_compressed_tensors = pytest.mark.skipif(
-    compressed_tensors is None, reason="compressed-tensors is not installed "
-    "(pip install --no-deps compressed-tensors==0.20.0 loguru==0.7.3)")
-
-
-def write_with_compressed_tensors(path: Path, weights: dict[str, Any], fmt: str) -> None:
-    """Quantize the tiny model with compressed-tensors' own API (its qparams from each group's
-    min and max) and save it compressed, as llm-compressor does."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        QuantizationStatus,
-        apply_quantization_config,
-    )
-    from compressed_tensors.quantization.utils import calculate_qparams
-
-    hf = tiny_hf_model(tied=False)
-    args = QuantizationArgs(**weights)
-    inputs = (QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token",
-                               dynamic=True) if fmt == "int-quantized" else None)
-    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=inputs)
-    apply_quantization_config(hf, QuantizationConfig(
-        config_groups={"group_0": scheme}, ignore=["lm_head"],
-        quantization_status=QuantizationStatus.FROZEN), show_progress=False)
-    for module in hf.modules():
-        if getattr(module, "quantization_scheme", None) is None:
-            continue
-        w = module.weight.data
-        grouped = w.reshape(w.shape[0], -1, args.group_size) if args.group_size else w[:, None]
-        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
-        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
-        if hasattr(module, "weight_zero_point"):
-            module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(hf)
-    compressor.compress_model(hf)
-    hf.save_pretrained(path)
-    compressor.update_config(str(path))
-
-
-def decompress_with_compressed_tensors(path: Path, module: str) -> torch.Tensor:
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-
-    config = QuantizationConfig.model_validate(
-        json.loads((path / "config.json").read_text())["quantization_config"])
-    scheme = config.config_groups["group_0"]
-    tensors = {k.removeprefix(f"{module}."): v for k, v in stored(path).items()
-               if k.startswith(f"{module}.")}
-    compressor = BaseCompressor.get_value_from_registry(scheme.format)
-    return compressor.decompress(tensors, scheme)["weight"].float()
-
-
+INT8_TOKENS = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
 OWN = {
     "w4a16-g32-asym": (dict(num_bits=4, symmetric=False, strategy="group", group_size=32),
-                       "pack-quantized"),
-    "w4a16-channel-sym": (dict(num_bits=4, symmetric=True, strategy="channel"),
+                       None, "pack-quantized"),
+    "w4a16-channel-sym": (dict(num_bits=4, symmetric=True, strategy="channel"), None,
                           "pack-quantized"),
-    "w8a16-g32-sym": (dict(num_bits=8, symmetric=True, strategy="group", group_size=32),
+    "w8a16-g32-sym": (dict(num_bits=8, symmetric=True, strategy="group", group_size=32), None,
                       "pack-quantized"),
-    "w8a8-int-quantized": (dict(num_bits=8, symmetric=True, strategy="channel"),
+    "w8a8-int-quantized": (dict(num_bits=8, symmetric=True, strategy="channel"), INT8_TOKENS,
                            "int-quantized"),
 }
 
@@ -375,8 +312,8 @@ OWN = {
 @pytest.mark.parametrize("variant", OWN)
 def test_a_checkpoint_compressed_tensors_wrote_reads_as_it_decompresses(
         tmp_path: Path, variant: str) -> None:
-    weights, fmt = OWN[variant]
-    write_with_compressed_tensors(tmp_path, weights, fmt)
+    weights, inputs, fmt = OWN[variant]
+    write_with_compressed_tensors(tmp_path, {"weights": weights, "input_activations": inputs})
     assert json.loads((tmp_path / "config.json").read_text())["quantization_config"][
         "format"] == fmt
     reader = QuantizedSafetensors(tmp_path)
@@ -384,7 +321,7 @@ def test_a_checkpoint_compressed_tensors_wrote_reads_as_it_decompresses(
     t = stored(tmp_path)
     for name in reader.quantized:
         module = name.removesuffix(".weight")
-        got = reader.int_weight(name)
+        got = reader.quantized_weight(name)
         assert got is not None
         assert torch.equal(got.dequantize(), decompress_with_compressed_tensors(tmp_path, module))
         assert torch.equal(got.dequantize(), compressed_tensors_dequantize(
@@ -392,18 +329,6 @@ def test_a_checkpoint_compressed_tensors_wrote_reads_as_it_decompresses(
 
 
 # --- refusals --------------------------------------------------------------------------------
-
-def edit_config(path: Path, **changes: Any) -> None:
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"].update(changes)
-    (path / "config.json").write_text(json.dumps(config))
-
-
-def edit_tensors(path: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
-    t = stored(path)
-    change(t)
-    save_file(t, path / "model.safetensors")
-
 
 @pytest.fixture
 def gptq_dir(tmp_path: Path, tiny: Tiny) -> Path:
@@ -416,13 +341,6 @@ def ct_dir(tmp_path: Path, tiny: Tiny) -> Path:
     write(tmp_path, tiny, random_int_weights(tiny.tensors, 4, 32, symmetric=False),
           "compressed-tensors")
     return tmp_path
-
-
-def refused(path: Path, match: str) -> None:
-    with pytest.raises(ModelLoadError, match=match):
-        reader = QuantizedSafetensors(path)
-        for name in reader.quantized:
-            reader.int_weight(name)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 16])
@@ -446,7 +364,7 @@ def test_awq_versions_other_than_gemm_are_refused(tmp_path: Path, tiny: Tiny,
     refused(tmp_path, rf"AWQ version '{version}' is not supported \(gemm\)")
 
 
-@pytest.mark.parametrize("fmt", ["float-quantized", "nvfp4-pack-quantized", "marlin-24",
+@pytest.mark.parametrize("fmt", ["nvfp4-pack-quantized", "mxfp4-pack-quantized", "marlin-24",
                                  "mixed-precision"])
 def test_compressed_tensors_formats_we_do_not_read_are_refused(ct_dir: Path, fmt: str) -> None:
     config = json.loads((ct_dir / "config.json").read_text())["quantization_config"]
@@ -456,7 +374,9 @@ def test_compressed_tensors_formats_we_do_not_read_are_refused(ct_dir: Path, fmt
 
 
 @pytest.mark.parametrize(("weights", "match"), [
-    ({"type": "float", "num_bits": 8}, r"type 'float' \(float weights, e.g. FP8\)"),
+    ({"type": "float", "num_bits": 8}, "float weights in format 'pack-quantized' are not "
+     "supported"),
+    ({"type": "mx"}, r"type 'mx' is not supported \(int, float\)"),
     ({"dynamic": True}, "dynamic weight quantization is not supported"),
     ({"strategy": "block", "block_structure": [32, 32]}, "strategy 'block' is not supported"),
     ({"num_bits": 2}, r"num_bits 2 is not supported \(4, 8\)"),
@@ -486,13 +406,14 @@ def test_compressed_tensors_fp8_activations_are_refused(ct_dir: Path) -> None:
     config = json.loads((ct_dir / "config.json").read_text())["quantization_config"]
     config["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "float"}
     edit_config(ct_dir, config_groups=config["config_groups"])
-    refused(ct_dir, r"float input_activations are not supported")
+    refused(ct_dir, r"float input_activations with int weights \(W4AFP8\) are not supported")
 
 
-@pytest.mark.parametrize("method", ["bitsandbytes", "fp8", "hqq"])
+@pytest.mark.parametrize("method", ["bitsandbytes", "fbgemm_fp8", "hqq"])
 def test_other_quant_methods_are_refused(ct_dir: Path, method: str) -> None:
     edit_config(ct_dir, quant_method=method)
-    refused(ct_dir, rf"quant_method '{method}' is not supported \(gptq, awq, compressed-tensors\)")
+    refused(ct_dir, rf"quant_method '{method}' is not supported \(gptq, awq, compressed-tensors, "
+                    r"fp8\)")
 
 
 def test_a_tensor_of_the_wrong_shape_is_named(gptq_dir: Path) -> None:
