@@ -339,7 +339,7 @@ def main() -> None:
     for name, (bits, group, section, kv) in INT_SECTIONS.items():
         if name not in args.only:
             continue
-        from worker.quantization.quantize import quantize_loaded
+        from worker.quantization.online import quantize_loaded
 
         if quantized_as is not None and quantized_as != (bits, group):
             loaded = None  # the bf16 weights are gone: load them again

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_linear_triton import _INTERPRET, FP8_DTYPE, Fp8Rows, _store_row_e4m3
+
 
 @triton.jit
 def _silu_and_mul_kernel(
@@ -50,3 +52,35 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         x, out, x.stride(0), inter, BLOCK=block, num_warps=4 if block >= 512 else 1,
     )
     return out
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, x_row_stride, inter, BLOCK: tl.constexpr,
+                             INTERPRET: tl.constexpr):
+    """One whole row per program: silu(gate) * up rounded to x's dtype, then to e4m3 with the
+    row's scale."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate_ptrs = x_ptr + row * x_row_stride + cols
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+    h = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    _store_row_e4m3(h, q_ptr + row * inter, s_ptr, row, cols, mask, INTERPRET)
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
+    """``silu_and_mul_triton`` rounded to e4m3 per token, for the W8A8 down projection: one pass
+    over [T, 2I] instead of the activation and a quantization."""
+    if x.dim() != 2 or x.shape[1] % 2 or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ValueError(f"x must be 2-D [T, 2I] with a contiguous last dim, got "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    tokens, inter = x.shape[0], x.shape[1] // 2
+    rows = Fp8Rows(torch.empty((tokens, inter), dtype=FP8_DTYPE, device=x.device),
+                   torch.empty(tokens, dtype=torch.float32, device=x.device), x.dtype)
+    if tokens and inter:
+        block = triton.next_power_of_2(inter)
+        _silu_and_mul_fp8_kernel[(tokens,)](x, rows.q, rows.scales, x.stride(0), inter,
+                                            BLOCK=block, INTERPRET=_INTERPRET,
+                                            num_warps=min(max(block // 512, 1), 16))
+    return rows

@@ -47,6 +47,22 @@ _MIN_SCALE = 1e-12
 
 
 @dataclass(frozen=True, slots=True)
+class Fp8Rows:
+    """Activations already rounded to e4m3 per token (by the kernel that produced them:
+    ``quantize_rows_fp8``, ``kernels.rmsnorm_triton.rms_norm_fp8``,
+    ``kernels.activation_triton.silu_and_mul_fp8``): ``q`` [M, K] e4m3, ``scales`` [M] float32,
+    ``dtype`` the dtype of the rows they stand for (the product's)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+@dataclass(frozen=True, slots=True)
 class Fp8GemmConfig:
     """Tile shape and launch options of one FP8 GEMM."""
 
@@ -86,6 +102,16 @@ def _to_e4m3(v, INTERPRET: tl.constexpr):
         c = v * _SPLIT
         v = c - (c - v)
     return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _store_row_e4m3(v, q_row_ptr, s_ptr, row, cols, mask, INTERPRET: tl.constexpr):
+    """A whole row v (float32, 0 where masked) -> its e4m3 values at q_row_ptr + cols and its
+    scale max|v| / 448 at s_ptr + row (the epilogue of the kernels that feed W8A8 GEMMs)."""
+    scale = tl.maximum(tl.max(tl.abs(v), axis=0) / 448.0, 1e-12)
+    q = tl.minimum(tl.maximum(v * (1.0 / scale), -448.0), 448.0)
+    tl.store(q_row_ptr + cols, _to_e4m3(q, INTERPRET), mask=mask)
+    tl.store(s_ptr + row, scale)
 
 
 @triton.jit
@@ -198,55 +224,69 @@ def w8a8_linear_ref(x: torch.Tensor, weight: Fp8Weight, add: torch.Tensor | None
     return out.to(x.dtype)
 
 
-def _scaled_mm_takes(x: torch.Tensor, n: int, k: int) -> bool:
+def _scaled_mm_takes(x: torch.Tensor, dtype: torch.dtype, n: int, k: int) -> bool:
     """cuBLAS FP8 with row-wise scales: Hopper or later, widths multiples of 16, bf16 out."""
-    return (x.is_cuda and hasattr(torch, "_scaled_mm") and x.dtype == torch.bfloat16
+    return (x.is_cuda and hasattr(torch, "_scaled_mm") and dtype == torch.bfloat16
             and n % 16 == 0 and k % 16 == 0
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
-def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, *, silu: bool = False,
+def fp8_gemm(x: torch.Tensor | Fp8Rows, weight: Fp8Weight, *, silu: bool = False,
              add: torch.Tensor | None = None) -> torch.Tensor:
     """``fp8_linear_triton``'s product for many rows, on cuBLAS where it takes the call (no
-    SiLU or add epilogue: the engine's many-row steps ask for neither)."""
+    SiLU or add epilogue: the engine's many-row steps ask for neither). ``x`` may come
+    rounded already (``Fp8Rows``)."""
     n, k = weight.shape
-    if silu or add is not None or not _scaled_mm_takes(x, n, k):
+    probe = x.q if isinstance(x, Fp8Rows) else x
+    dtype = x.dtype
+    if silu or add is not None or not _scaled_mm_takes(probe, dtype, n, k):
         return fp8_linear_triton(x, weight, silu=silu, add=add)
     _check_inputs(x, weight, silu, add)
-    q, a_scales = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous())
-    return torch._scaled_mm(q, weight.weight.t(), scale_a=a_scales[:, None],
-                            scale_b=weight.scales[None, :], out_dtype=x.dtype)
+    rows = _rounded(x)
+    return torch._scaled_mm(rows.q, weight.weight.t(), scale_a=rows.scales[:, None],
+                            scale_b=weight.scales[None, :], out_dtype=dtype)
 
 
-def _check_inputs(x: torch.Tensor, weight: Fp8Weight, silu: bool,
+def _rounded(x: torch.Tensor | Fp8Rows) -> Fp8Rows:
+    if isinstance(x, Fp8Rows):
+        return x
+    q, scales = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous())
+    return Fp8Rows(q, scales, x.dtype)
+
+
+def _check_inputs(x: torch.Tensor | Fp8Rows, weight: Fp8Weight, silu: bool,
                   add: torch.Tensor | None) -> int:
     """Raise ValueError for anything the kernels cannot take; return the output width."""
     if not isinstance(weight, Fp8Weight):
         raise ValueError(f"weight must be an Fp8Weight, got {type(weight).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
+    rows = x.q if isinstance(x, Fp8Rows) else x
+    if isinstance(x, Fp8Rows) and (x.q.dtype != FP8_DTYPE or x.scales.shape != x.q.shape[:1]
+                                   or not x.q.is_contiguous()):
+        raise ValueError("Fp8Rows: q must be contiguous e4m3 [M, K] and scales [M]")
+    if rows.dim() != 2:
+        raise ValueError(f"x must be 2-D, got shape {tuple(rows.shape)}")
     n_rows, k = weight.shape
-    if x.shape[1] != k:
-        raise ValueError(f"x {tuple(x.shape)} does not fit weight {weight.shape}")
+    if rows.shape[1] != k:
+        raise ValueError(f"x {tuple(rows.shape)} does not fit weight {weight.shape}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"x: dtype {x.dtype} is not supported (takes {SUPPORTED_DTYPES})")
-    for name, t in (("x", x), ("weight", weight.weight), ("scales", weight.scales)):
-        if t.device != x.device:
-            raise ValueError(f"{name} must be on {x.device}, got {t.device}")
+    for name, t in (("weight", weight.weight), ("scales", weight.scales)):
+        if t.device != rows.device:
+            raise ValueError(f"{name} must be on {rows.device}, got {t.device}")
     if not weight.weight.is_contiguous():
         raise ValueError("the FP8 weight must be contiguous")
     if silu and n_rows % 2:
         raise ValueError(f"silu needs gate and up rows: weight has an odd {n_rows} rows")
     n = n_rows // 2 if silu else n_rows
-    if add is not None and (tuple(add.shape) != (x.shape[0], n) or add.stride(-1) != 1
-                            or add.device != x.device):
-        raise ValueError(f"add must be [{x.shape[0]}, {n}] on {x.device} with a contiguous "
-                         f"last dim, got {tuple(add.shape)}")
+    if add is not None and (tuple(add.shape) != (rows.shape[0], n) or add.stride(-1) != 1
+                            or add.device != rows.device):
+        raise ValueError(f"add must be [{rows.shape[0]}, {n}] on {rows.device} with a "
+                         f"contiguous last dim, got {tuple(add.shape)}")
     return n
 
 
 def fp8_linear_triton(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     weight: Fp8Weight,
     *,
     silu: bool = False,
@@ -259,10 +299,11 @@ def fp8_linear_triton(
     synchronization (graph-capturable)."""
     n = _check_inputs(x, weight, silu, add)
     m, k = x.shape
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=weight.device)
     if m == 0 or n == 0:
         return out
-    q, a_scales = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous())
+    rows = _rounded(x)
+    q, a_scales = rows.q, rows.scales
     cfg = config or default_config(m, n, k, silu)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _fp8_gemm_kernel[grid](

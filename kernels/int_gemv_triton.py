@@ -70,21 +70,21 @@ class IntGemvConfig:
 
 def default_config(n: int, k: int, bits: int, silu: bool) -> IntGemvConfig:
     """The tile per shape (``n``: output features), from ``benchmarks/int_gemv_sweep.py`` on an
-    H200 at Llama-3-8B's decode shapes (one row, INT4 in groups of 128, INT8 per channel):
+    H200 at Llama-3-8B's decode shapes (one row, INT4 in groups of 128, INT8 per channel;
+    second sweep, ``benchmarks/results/int_gemv.json``):
 
-    * rows of up to 8192 columns: 8 programs of 2 warps per SM over blocks of 4 rows (INT4;
-      2 with the SiLU pair: qkv 8.4, o_proj 6.2, gate_up 19.9 us), INT8 4 programs of 8 warps
-      over 2 rows (qkv 9.5, o_proj 7.1 us);
-    * longer rows (down_proj, K = 14336: 14 KB of int8 activations a row) 4 programs of
-      8 warps over 2 rows (INT4 15.9 us) or 1 (INT8 18.2 us)."""
+    * rows of up to 8192 columns: 4 programs of 4 warps per SM over blocks of 8 rows (INT4 qkv
+      6.8, o_proj 4.8, gate_up 17.4 us; INT8 gate_up 31.3-32.4), INT8 without SiLU 4 programs
+      of 8 warps over 2 rows (qkv 9.7, o_proj 7.1 us);
+    * longer rows (down_proj, K = 14336: 14 KB of int8 activations a row): INT4 2 programs of
+      16 warps over 4 rows (13.7 us), INT8 4 programs of 8 warps over 1 row (18.2 us)."""
     del n
     if k > 8192:
-        return IntGemvConfig(block_n=2 if bits == 4 else 1, per_sm=4, num_warps=8)
-    if silu:
-        return IntGemvConfig(block_n=2, per_sm=8, num_warps=2)
-    if bits == 4:
-        return IntGemvConfig(block_n=4, per_sm=8, num_warps=2)
-    return IntGemvConfig(block_n=2, per_sm=4, num_warps=8)
+        return IntGemvConfig(block_n=4 if bits == 4 else 1, per_sm=2 if bits == 4 else 4,
+                             num_warps=16 if bits == 4 else 8)
+    if bits == 8 and not silu:
+        return IntGemvConfig(block_n=2, per_sm=4, num_warps=8)
+    return IntGemvConfig(block_n=8, per_sm=4, num_warps=4)
 
 
 def applies(weight: IntWeight, m: int) -> bool:

@@ -23,8 +23,9 @@ from kernels.paged_attention import paged_attention as paged_attention_cpu
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import rotary_ref
 
-__all__ = ["embedding", "fuses_projections", "linear", "norm_linear", "paged_attention",
-           "paged_decode", "rms_norm", "rotary", "rotary_store_kv", "silu_and_mul", "store_kv"]
+__all__ = ["embedding", "fuses_projections", "linear", "norm_linear", "norm_project",
+           "paged_attention", "paged_decode", "rms_norm", "rotary", "rotary_store_kv",
+           "silu_and_mul", "silu_project", "store_kv"]
 
 
 def fuses_projections(x: torch.Tensor) -> bool:
@@ -75,6 +76,42 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         return skinny_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)
     out = linear(rms_norm(x, norm_weight, eps)[0], weight)
     return silu_and_mul(out) if silu else out
+
+
+def norm_project(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None,
+                 weight: torch.Tensor | PackedWeight | IntWeight | Fp8Weight
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(hidden + residual) @ weight.T, the new residual stream): a step of many rows
+    (few rows on a GPU fold the norm into the weight stream instead: ``norm_linear``). e4m3
+    weights on Triton get the normed rows rounded to e4m3 by the norm kernel itself."""
+    if isinstance(weight, Fp8Weight) and _w8a8(hidden):
+        from kernels.fp8_linear_triton import fp8_gemm
+        from kernels.rmsnorm_triton import rms_norm_fp8
+
+        rows, residual = rms_norm_fp8(hidden, norm_weight, eps, residual)
+        return fp8_gemm(rows, weight), residual
+    x, residual = rms_norm(hidden, norm_weight, eps, residual)
+    return linear(x, weight), residual
+
+
+def silu_project(gate_up: torch.Tensor,
+                 weight: torch.Tensor | PackedWeight | IntWeight | Fp8Weight) -> torch.Tensor:
+    """silu_and_mul(gate_up) @ weight.T (the down projection of a step of many rows); e4m3
+    weights on Triton get the activation rounded to e4m3 by the SiLU kernel itself."""
+    if isinstance(weight, Fp8Weight) and _w8a8(gate_up):
+        from kernels.activation_triton import silu_and_mul_fp8
+        from kernels.fp8_linear_triton import fp8_gemm
+
+        return fp8_gemm(silu_and_mul_fp8(gate_up), weight)
+    return linear(silu_and_mul(gate_up), weight)
+
+
+def _w8a8(x: torch.Tensor) -> bool:
+    """Whether e4m3 weights meet ``x`` in a W8A8 GEMM (Triton, more than a row or two)."""
+    from kernels.linear_triton import MAX_FP8_ROWS
+
+    return x.dim() == 2 and x.shape[0] > MAX_FP8_ROWS and use_triton(x)
 
 
 def _fp8_linear_triton(x: torch.Tensor, weight: Fp8Weight, *,

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_linear_triton import _INTERPRET, FP8_DTYPE, Fp8Rows, _store_row_e4m3
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -26,6 +28,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    FP8: tl.constexpr = False,
+    scale_ptr=None,
+    INTERPRET: tl.constexpr = False,
 ):
     # int64 row offsets: T * row stride can pass 2**31 on long prefills of wide models.
     row = tl.program_id(0).to(tl.int64)
@@ -42,7 +47,12 @@ def _rms_norm_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
     normed = (x32 * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * hidden + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if FP8:  # the row as the reference rounds it, then e4m3 with its scale (out is e4m3)
+        v = (normed * w).to(x_ptr.dtype.element_ty).to(tl.float32)
+        _store_row_e4m3(v, out_ptr + row * hidden, scale_ptr, row, cols, mask, INTERPRET)
+    else:
+        tl.store(out_ptr + row * hidden + cols, (normed * w).to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def _check_rows(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
@@ -54,13 +64,23 @@ def _check_rows(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
 
 
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[Fp8Rows, torch.Tensor]:
+    """``rms_norm_triton`` whose normed rows come out rounded to e4m3 per token, for a W8A8
+    GEMM (``kernels.fp8_linear_triton.fp8_gemm``): one pass instead of a norm and a
+    quantization."""
+    return rms_norm_triton(x, weight, eps, residual, fp8=True)  # type: ignore[return-value]
+
+
 def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    fp8: bool = False,
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """(normed, new_residual) for x [T, H] (any row stride), weight [H]; see ``rms_norm_ref``.
 
-    normed is a new contiguous tensor in ``promote_types(x.dtype, weight.dtype)``; new_residual
-    is a new contiguous x + residual, or x itself when residual is None (as the reference).
+    normed is a new contiguous tensor in ``promote_types(x.dtype, weight.dtype)`` (``fp8``: an
+    ``Fp8Rows`` of it, in x's dtype); new_residual is a new contiguous x + residual, or x itself
+    when residual is None (as the reference).
     """
     _check_rows("x", x, x)
     t, h = x.shape
@@ -83,10 +103,13 @@ def rms_norm_triton(
         if residual.dtype != x.dtype:
             raise ValueError(f"residual must have dtype {x.dtype}, got {residual.dtype}")
 
-    out = torch.empty((t, h), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out = torch.empty((t, h), dtype=FP8_DTYPE if fp8 else torch.promote_types(
+        x.dtype, weight.dtype), device=x.device)
+    scales = torch.empty(t if fp8 else 0, dtype=torch.float32, device=x.device)
     new_residual = x if residual is None else torch.empty((t, h), dtype=x.dtype, device=x.device)
+    normed: torch.Tensor | Fp8Rows = Fp8Rows(out, scales, x.dtype) if fp8 else out
     if t == 0:
-        return out, new_residual
+        return normed, new_residual
     block = triton.next_power_of_2(h)
     _rms_norm_kernel[(t,)](
         x,
@@ -100,7 +123,10 @@ def rms_norm_triton(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        FP8=fp8,
+        scale_ptr=scales if fp8 else None,
+        INTERPRET=_INTERPRET,
         # About 16 elements per thread: enough to hide latency without spilling.
         num_warps=min(max(block // 512, 1), 16),
     )
-    return out, new_residual
+    return normed, new_residual

@@ -26,6 +26,9 @@ class Settings(BaseSettings):
                          description="quantized matrices (GGUF, GPTQ, AWQ, compressed-"
                                      "tensors): auto (kept packed where a kernel reads them), "
                                      "packed, or dequantized to dtype")
+    quantize: str = Field(default="none", pattern="^(none|fp8|rtn-int8|rtn-int4)$",
+                          description="round a float model's projections at load: fp8 (e4m3, "
+                                      "W8A8 on CUDA), rtn-int8, rtn-int4 (groups of 128)")
     max_num_seqs: int = Field(default=32, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
     block_size: int = Field(default=16, ge=1, le=256)

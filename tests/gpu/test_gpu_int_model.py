@@ -13,7 +13,7 @@ from tidegate.protocol import SamplingParams
 from worker.engine.engine import Engine, EngineConfig, EngineRequest
 from worker.models.llama import CausalAttention
 from worker.models.loaders.loader import LoadedModel, load_model
-from worker.quantization.quantize import quantize_loaded
+from worker.quantization.online import quantize_loaded
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

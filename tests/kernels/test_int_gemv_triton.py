@@ -112,9 +112,9 @@ def test_which_calls_it_serves() -> None:
     assert not applies(int_weight(8, 100, 8, None), 1)  # rows that are not whole runs
     # Llama-3-8B's decode shapes: small programs over a few rows, 8 warps for down_proj's
     # long rows.
-    assert default_config(6144, 4096, 4, False) == IntGemvConfig(block_n=4, per_sm=8,
-                                                                 num_warps=2)
-    assert default_config(14336, 4096, 4, True).block_n == 2
-    assert default_config(4096, 14336, 4, False).num_warps == 8
+    assert default_config(6144, 4096, 4, False) == IntGemvConfig(block_n=8, per_sm=4,
+                                                                 num_warps=4)
+    assert default_config(4096, 4096, 8, False).num_warps == 8
+    assert default_config(4096, 14336, 4, False).num_warps == 16
     with pytest.raises(ValueError, match="power of two"):
         IntGemvConfig(block_n=3)

@@ -39,7 +39,8 @@ def _settings(args: argparse.Namespace):  # -> Settings
     from tidegate.settings import load_settings
 
     fields = ("redis_url", "model", "device", "dtype", "max_num_seqs", "max_num_batched_tokens",
-              "kv_cache_gb", "kv_cache_dtype", "cuda_graphs", "weights", "host", "port",
+              "kv_cache_gb", "kv_cache_dtype", "cuda_graphs", "weights", "quantize", "host",
+              "port",
               "log_level")
     try:
         return load_settings(**{f: getattr(args, f, None) for f in fields})
@@ -305,6 +306,10 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="quantized matrices (GGUF; GPTQ, AWQ, compressed-tensors directories): "
                         "kept packed and read by the kernels (auto: GGUF on the CPU, integer "
                         "checkpoints on the CPU and CUDA), or dequantized to --dtype")
+    p.add_argument("--quantize", choices=["none", "fp8", "rtn-int8", "rtn-int4"],
+                   help="round a float model's projections at load (no calibration; "
+                        "`tidegate quantize` writes calibrated checkpoints): fp8 (e4m3, a scale "
+                        "per channel; W8A8 on cuda), rtn-int8, rtn-int4 (groups of 128)")
     p.add_argument("--max-num-seqs", type=int, help="requests batched at once (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="tokens per engine step: decodes plus prompt chunks (default 512)")

@@ -139,6 +139,8 @@ def _spawn_worker(settings: Settings) -> subprocess.Popen:
     if settings.kv_cache_gb is not None:
         env["TIDEGATE_KV_CACHE_GB"] = str(settings.kv_cache_gb)
     env["TIDEGATE_KV_CACHE_DTYPE"] = settings.kv_cache_dtype
+    env["TIDEGATE_WEIGHTS"] = settings.weights
+    env["TIDEGATE_QUANTIZE"] = settings.quantize
     return subprocess.Popen([sys.executable, "-m", "tidegate", "worker"], env=env)
 
 

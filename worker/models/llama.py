@@ -110,7 +110,8 @@ class DecoderLayer(nn.Module):
         Few rows on a GPU (``ops.fuses_projections``): every projection is a weight stream, so
         each norm goes into the projection after it and each residual add into the one before
         it; ``hidden`` then is the whole stream and ``residual`` stays None. Otherwise the
-        residual add goes into the RMSNorm kernel and the projections are plain GEMMs."""
+        residual add goes into the RMSNorm kernel and the projections are plain GEMMs (e4m3
+        weights: the norm and SiLU kernels hand them rows already rounded to e4m3)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         if residual is None and ops.fuses_projections(hidden):
@@ -120,13 +121,13 @@ class DecoderLayer(nn.Module):
             act = ops.norm_linear(hidden, self.post_attn_norm, eps, self.gate_up_proj.weight,
                                   silu=True)
             return ops.linear(act, self.down_proj.weight, add=hidden), None
-        x, residual = ops.rms_norm(hidden, self.input_norm, eps, residual)
-        out = self._attention(ops.linear(x, self.qkv_proj.weight), positions, rope_cache, attn,
-                              layer)
+        qkv, residual = ops.norm_project(hidden, self.input_norm, eps, residual,
+                                         self.qkv_proj.weight)
+        out = self._attention(qkv, positions, rope_cache, attn, layer)
         hidden = ops.linear(out, self.o_proj.weight)
-        x, residual = ops.rms_norm(hidden, self.post_attn_norm, eps, residual)
-        gate_up = ops.linear(x, self.gate_up_proj.weight)
-        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight), residual
+        gate_up, residual = ops.norm_project(hidden, self.post_attn_norm, eps, residual,
+                                             self.gate_up_proj.weight)
+        return ops.silu_project(gate_up, self.down_proj.weight), residual
 
     def _attention(self, qkv: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
                    attn: AttentionBackend, layer: int) -> torch.Tensor:

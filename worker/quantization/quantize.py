@@ -38,15 +38,14 @@ from worker.models.llama import (
     CausalAttention,
     DecoderLayer,
     LlamaConfig,
-    LlamaModel,
     layer_matrices,
 )
 from worker.models.loaders.gguf_weights import GGUFWeights
 from worker.models.loaders.hf_weights import SafetensorsWeights
 from worker.models.loaders.loader import load_model
-from worker.models.packed_modules import PackedLinear
 from worker.quantization.awq import awq_scales
 from worker.quantization.gptq import HessianStats, gptq_quantize
+from worker.quantization.online import auto_group
 
 # method -> (bits, algorithm)
 METHODS: dict[str, tuple[int, str]] = {
@@ -57,9 +56,6 @@ METHODS: dict[str, tuple[int, str]] = {
 FORMATS = ("compressed-tensors", "gptq", "awq")
 # Calibration rows each projection's AWQ scale search sees (evenly spaced over the windows).
 AWQ_TOKENS = 2048
-# Tried largest first when the group size is "auto" (4 bits): the first that divides every
-# projection's input width (SmolLM2-135M's 576 takes 64).
-AUTO_GROUPS = (128, 64, 32)
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -201,13 +197,8 @@ def _source(spec: str) -> tuple[ModelSource, LlamaConfig, Mapping[str, torch.Ten
 def _group_size(config: LlamaConfig, bits: int, group: int | None | str) -> int | None:
     """The group size every projection takes (None: one group per row)."""
     widths = {config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size}
-    if group == "auto":
-        if bits == 8:
-            return None  # W8A16's usual scheme: a scale per output channel
-        for g in AUTO_GROUPS:
-            if all(w % g == 0 for w in widths):
-                return g
-        return None
+    if group == "auto":  # 8 bits: W8A16's usual scheme, a scale per output channel
+        return None if bits == 8 else auto_group(config)
     if group in (None, -1):
         return None
     if not isinstance(group, int) or group <= 0:
@@ -368,25 +359,3 @@ def _run_layer(layer: DecoderLayer, index: int, hidden: torch.Tensor,
     if record is not None:
         record("down_proj", act)
     return ops.linear(act, layer.down_proj.weight), residual
-
-
-def quantize_loaded(model: LlamaModel, bits: int | str, group_size: int | None = None,
-                    symmetric: bool = True) -> int:
-    """Round-to-nearest quantization of a loaded model's decoder projections in place, on its
-    device (benchmarks of random-weight models; a real checkpoint goes through
-    ``quantize_model``). ``bits``: 4 or 8 (integers in groups of ``group_size``), or "fp8"
-    (e4m3, a scale per output channel). Returns how many matrices were quantized."""
-    if bits == "fp8" and (group_size is not None or not symmetric):
-        raise ValueError("fp8 has one symmetric scale per output channel")
-    count = 0
-    for i, layer in enumerate(model.layers):
-        for attr, _, _ in layer_matrices(i):
-            module = getattr(layer, attr)
-            if isinstance(module, PackedLinear):
-                continue
-            weight = (Fp8Weight.quantize(module.weight.data) if bits == "fp8" else
-                      IntWeight.quantize(module.weight.data, int(bits), group_size, symmetric))
-            setattr(layer, attr, PackedLinear(weight))
-            del module
-            count += 1
-    return count

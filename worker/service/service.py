@@ -441,7 +441,8 @@ def build_engine(settings: Settings) -> Engine:
         torch.set_num_threads(settings.torch_threads)
     dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
     packed = {"auto": None, "packed": True, "dequantized": False}[settings.weights]
-    loaded = load_model(settings.model, device=settings.device, dtype=dtype, packed=packed)
+    loaded = load_model(settings.model, device=settings.device, dtype=dtype, packed=packed,
+                        quantize=settings.quantize)
     packed_types = loaded.packed_types()
     log.info("loaded %s in %.1fs (%s, %s, %.1f MB of weights%s)", loaded.source.name,
              loaded.load_s, settings.device, next(loaded.model.parameters()).dtype,

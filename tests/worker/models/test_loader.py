@@ -189,3 +189,33 @@ def test_packed_weights_are_refused_off_the_cpu_float32_path(tmp_path: Path) -> 
     with pytest.raises(ModelLoadError, match="packed weights run on the CPU in float32"):
         load_model(str(path), dtype=torch.bfloat16, packed=True)
     assert load_model(str(path), dtype=torch.bfloat16).packed_types() == []  # auto: dequantized
+
+
+@pytest.mark.parametrize(("method", "types"), [("fp8", ["fp8-e4m3-channel"]),
+                                               ("rtn-int8", ["int8-channel"]),
+                                               ("rtn-int4", ["int4-channel", "int4-g64"])])
+def test_quantize_at_load_rounds_every_projection(method: str, types: list[str]) -> None:
+    """--quantize: the float model's projections rounded at load, the model still itself (the
+    tiny preset's widths of 64 and 128 take 4-bit groups of 64: a whole row of the 64-wide)."""
+    floats = load_model("random:tiny")
+    loaded = load_model("random:tiny", quantize=method)
+    assert loaded.packed_types() == types
+    assert all(isinstance(getattr(layer, attr), PackedLinear) for layer in loaded.model.layers
+               for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    assert isinstance(loaded.model.embed_tokens, torch.nn.Embedding)  # embeddings stay float
+    assert loaded.weight_bytes() < floats.weight_bytes()
+    want = causal_logits(floats.model, IDS)
+    got = causal_logits(loaded.model, IDS)
+    assert (got - want).norm() < (0.2 if method == "rtn-int4" else 0.05) * want.norm()
+
+
+def test_quantize_at_load_refuses_what_it_cannot_round(tmp_path: Path) -> None:
+    path = write_gguf(tiny_hf_model(tied=False), tmp_path / "m.gguf",
+                      qtype=GGMLQuantizationType.Q8_0)
+    with pytest.raises(ModelLoadError, match="quantized already .Q8_0.: --quantize fp8 takes a "
+                                             "float model"):
+        load_model(str(path), quantize="fp8")
+    with pytest.raises(ModelLoadError, match="quantize 'int3'"):
+        load_model("random:tiny", quantize="int3")
+    with pytest.raises(ModelLoadError, match="run on CUDA, or on the CPU in float32"):
+        load_model("random:tiny", dtype=torch.bfloat16, quantize="rtn-int8")

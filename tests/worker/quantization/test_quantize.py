@@ -23,7 +23,7 @@ from worker.engine.engine import Engine, EngineConfig, EngineRequest
 from worker.models.llama import CausalAttention
 from worker.models.loaders.loader import LoadedModel, load_model
 from worker.models.packed_modules import PackedLinear
-from worker.quantization.quantize import quantize_loaded
+from worker.quantization.online import quantize_loaded
 
 TEXT = ("The tide came in over the flats, slowly at first and then all at once; the gate "
         "keeper counted the waves and wrote each one down. ") * 8

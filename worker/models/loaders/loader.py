@@ -79,13 +79,15 @@ def load_model(
     dtype: torch.dtype | None = None,
     seed: int = 0,
     packed: bool | None = None,
+    quantize: str | None = None,
 ) -> LoadedModel:
     """Load a model by spec ("smollm2", a directory, a .gguf file, "random:<preset>").
 
     ``seed`` only matters for random weights. ``packed``: keep a GGUF file's quantized
     matrices packed (None: wherever the packed kernels serve, i.e. float32 on the CPU with the
-    native kernels built; False: dequantize everything). Raises ``ModelLoadError`` naming what
-    is wrong.
+    native kernels built; False: dequantize everything). ``quantize`` (``fp8``, ``rtn-int8``,
+    ``rtn-int4``; ``worker.quantization.online``): round a float model's projections at load.
+    Raises ``ModelLoadError`` naming what is wrong.
     """
     start = time.perf_counter()
     source = (resolve_model(spec_or_source) if isinstance(spec_or_source, str)
@@ -125,7 +127,30 @@ def load_model(
                 else weights)
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(f"{source.path}: {exc}") from exc
-    return LoadedModel(model, config, tokenizer, source, time.perf_counter() - start)
+    loaded = LoadedModel(model, config, tokenizer, source, 0.0)
+    if quantize not in (None, "none"):
+        _quantize_at_load(loaded, quantize, device, dtype)
+    loaded.load_s = time.perf_counter() - start
+    return loaded
+
+
+def _quantize_at_load(loaded: LoadedModel, method: str, device: str | torch.device,
+                      dtype: torch.dtype) -> None:
+    from worker.quantization.online import METHODS, quantize_model_at_load
+
+    name = loaded.source.name
+    if method not in METHODS:
+        raise ModelLoadError(f"quantize {method!r}: one of {', '.join(METHODS)}")
+    if loaded.packed_types():
+        raise ModelLoadError(f"{name} is quantized already ({'+'.join(loaded.packed_types())})"
+                             f": --quantize {method} takes a float model")
+    if not int_serves(device, dtype):
+        raise ModelLoadError(f"--quantize {method}: the quantized kernels run on CUDA, or on the "
+                             "CPU in float32 with the native kernels")
+    try:
+        quantize_model_at_load(loaded.model, method)
+    except ValueError as exc:
+        raise ModelLoadError(f"{name}: {exc}") from exc
 
 
 def int_serves(device: str | torch.device, dtype: torch.dtype) -> bool:
