@@ -58,6 +58,7 @@ case "$what" in
       tests/gpu/test_gpu_fp8_linear.py tests/gpu/test_gpu_int_linear.py \
       tests/gpu/test_gpu_int_model.py tests/kernels/test_fp8_linear_triton.py \
       tests/kernels/test_int_gemv_triton.py tests/kernels/test_int_linear_triton.py \
+      tests/gpu/test_gpu_elementwise.py tests/kernels/test_triton_elementwise.py \
       --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -40
     ;;
   engine-tests)
