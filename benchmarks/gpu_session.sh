@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU-machine call: set up, run the GPU tests, then the GPU benchmark sections asked for.
 #
-#   bash benchmarks/gpu_session.sh [tests|int-tests|kv-tests|engine-tests|none] [gpu_throughput.py sections...]
+#   bash benchmarks/gpu_session.sh [tests|int-tests|kv-tests|engine-tests|quant-tests|none] [gpu_throughput.py sections...]
+#   SWEEPS="int fp8" bash benchmarks/gpu_session.sh ...   (also run int_gemv_sweep.py / fp8_gemm_sweep.py
+#                                                         after the tests, before the sections)
 #
 # Run from the repository root on the device machine (the `device` tool's `run`), with $OUT set.
 # Carried, when present (all git-ignored):
@@ -51,12 +53,26 @@ case "$what" in
       tests/gpu/test_gpu_fp8_kv.py tests/gpu/test_gpu_attention.py \
       tests/gpu/test_gpu_elementwise.py --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -40
     ;;
+  quant-tests)  # the FP8 and integer projections (W8A8 GEMM, e4m3 and dp4a weight streams)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default \
+      tests/gpu/test_gpu_fp8_linear.py tests/gpu/test_gpu_int_linear.py \
+      tests/gpu/test_gpu_int_model.py tests/kernels/test_fp8_linear_triton.py \
+      tests/kernels/test_int_gemv_triton.py tests/kernels/test_int_linear_triton.py \
+      --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -40
+    ;;
   engine-tests)
     TIDEGATE_GPU_REPORT="$OUT/agreement.json" timeout 300 python3 -m pytest -q -s \
       -p no:cacheprovider -o addopts="" -W default tests/gpu/test_gpu_engine.py 2>&1 | tail -40
     ;;
   none) ;;
 esac
+
+for sweep in ${SWEEPS:-}; do
+  case "$sweep" in
+    int) timeout 240 python3 benchmarks/int_gemv_sweep.py --rows 1 --out "$OUT/int_gemv.json" ;;
+    fp8) timeout 300 python3 benchmarks/fp8_gemm_sweep.py --out "$OUT/fp8_gemm.json" ;;
+  esac
+done
 
 if (( $# )); then  # whatever is left of the call's 10 minutes, less a margin for the copy back
   timeout $(( 575 - SECONDS )) python3 benchmarks/gpu_throughput.py --only "$@" \

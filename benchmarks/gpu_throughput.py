@@ -17,6 +17,10 @@ Sections (``--only`` picks some; default all but ``hf``):
   kv_fp8_batch1: batch1 with the FP8 (e4m3) KV cache; both report the cache's tokens.
   int4_batch1, int4_offline, int8_batch1: batch1 / offline with the projections quantized in
             memory to weight-only INT4 (groups of 128) or INT8 (per channel), round to nearest.
+  int4_profile1: profile1 on the INT4 model.
+  fp8_batch1, fp8_offline, fp8_offline_kv8: the projections in FP8 (e4m3, a scale per output
+            channel; W8A8 with per-token activation scales beyond two rows), the last one with
+            the FP8 KV cache too.
   hf        HF transformers ``generate_batch`` (its continuous batching) on 256 prompts of
             256 in / 256 out, same weights shape, same GPU.
 
@@ -47,12 +51,18 @@ from tidegate.protocol import SamplingParams  # noqa: E402
 from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from worker.models.loaders.loader import load_model  # noqa: E402
 
+# Quantized sections: the same random model, its projections quantized in memory (round to
+# nearest; INT4 in groups of 128, INT8 per channel, FP8 per channel), after the bf16 sections:
+# name -> (bits or "fp8", group, section, KV cache dtype).
+INT_SECTIONS = {"int4_batch1": (4, 128, "batch1", "auto"),
+                "int4_profile1": (4, 128, "profile1", "auto"),
+                "int4_offline": (4, 128, "offline", "auto"),
+                "int8_batch1": (8, None, "batch1", "auto"),
+                "fp8_batch1": ("fp8", None, "batch1", "auto"),
+                "fp8_offline": ("fp8", None, "offline", "auto"),
+                "fp8_offline_kv8": ("fp8", None, "offline", "fp8")}
 SECTIONS = ("ceilings", "kernels", "batch1", "kv_fp8_batch1", "profile1", "offline", "mixed",
-            "hfset", "hf", "int4_batch1", "int4_offline", "int8_batch1")
-# Weight-only integer sections: the same random model, its projections quantized in memory
-# (round to nearest; INT4 in groups of 128, INT8 per channel), after the bf16 sections.
-INT_SECTIONS = {"int4_batch1": (4, 128, "batch1"), "int4_offline": (4, 128, "offline"),
-                "int8_batch1": (8, None, "batch1")}
+            "hfset", "hf", *INT_SECTIONS)
 MODEL = "random:llama-3-8b"
 
 
@@ -227,8 +237,8 @@ def profile1(loaded) -> dict[str, object]:
             "top_kernels_us_per_step": top}
 
 
-def offline(loaded) -> dict[str, float]:
-    engine = make_engine(loaded, 1024, 16384, 4096)
+def offline(loaded, kv_cache_dtype: str = "auto") -> dict[str, float]:
+    engine = make_engine(loaded, 1024, 16384, 4096, kv_cache_dtype)
     rng = random.Random(2)
     reqs = random_prompts(rng, 1000, 256, 256, 256, 256, loaded.config.vocab_size)
     # Warm with other prompts (no prefix-cache hits later), enough of them that steps mix
@@ -326,7 +336,7 @@ def main() -> None:
             save()
             print(name, json.dumps(results[name], default=float), flush=True)
     quantized_as = None
-    for name, (bits, group, section) in INT_SECTIONS.items():
+    for name, (bits, group, section, kv) in INT_SECTIONS.items():
         if name not in args.only:
             continue
         from worker.quantization.quantize import quantize_loaded
@@ -343,7 +353,12 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
             quantized_as = (bits, group)
-        res = batch1(loaded, copy_tbs) if section == "batch1" else offline(loaded)
+        if section == "batch1":
+            res = batch1(loaded, copy_tbs, kv)
+        elif section == "profile1":
+            res = profile1(loaded)
+        else:
+            res = offline(loaded, kv)
         results[name] = {**res, "weight_bytes": loaded.weight_bytes(),
                          "types": loaded.packed_types()}
         save()

@@ -2,7 +2,9 @@
 
 For Llama-3-8B's decode projections (qkv with its norm, o_proj with the residual add, gate_up
 with norm and SiLU, down_proj with the add) at 1 and 4 rows, in INT4 with groups of 128 and INT8
-per channel: every candidate ``IntLinearConfig`` (``candidates``), the default among them. Per
+per channel: every candidate tile (``candidates``: at 1-2 rows the integer-dot GEMV's
+``IntGemvConfig`` and the FMA path's best earlier tiles; beyond, ``IntLinearConfig``'s
+tensor-core tiles), the default among them. Per
 shape it reports the best tile, its time, its effective bandwidth (bytes of qweight + scales +
 zeros over the time) and its relative error against the dequantized float32 reference, beside
 the bf16 ``skinny_linear_triton`` on the same shape (default tiles, without PDL, as this kernel
@@ -33,6 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.gemv_sweep import graph_time_us  # noqa: E402
 from kernels.activation import silu_and_mul_ref  # noqa: E402
+from kernels.int_gemv_triton import IntGemvConfig  # noqa: E402
+from kernels.int_gemv_triton import default_config as gemv_default  # noqa: E402
 from kernels.int_linear_triton import (  # noqa: E402
     IntLinearConfig,
     default_config,
@@ -53,9 +57,9 @@ FORMATS = {"int4-g128": (4, 128), "int8-channel": (8, None)}  # name: (bits, gro
 BF = torch.bfloat16
 
 
-def candidates(m: int, bits: int) -> list[IntLinearConfig]:
-    """The tiles tried: up to 2 rows, FMA programs of 1-16 weight rows streaming 256-1024 bytes
-    of each row a step, and one tensor-core tile; beyond, tensor-core tiles."""
+def candidates(m: int, bits: int) -> list[IntLinearConfig | IntGemvConfig]:
+    """The tiles tried: up to 2 rows, the integer-dot GEMV's blocks of 1-8 rows in programs of
+    1-8 warps, 2-16 per SM, and the FMA path's earlier best; beyond, tensor-core tiles."""
     per_byte = 8 // bits  # columns per byte
     dot = [IntLinearConfig(block_m=16, block_n=bn, block_k=bk, num_warps=4, num_stages=s,
                            dot=True)
@@ -63,13 +67,17 @@ def candidates(m: int, bits: int) -> list[IntLinearConfig]:
     if m > 2:
         return dot
     fma = [IntLinearConfig(block_n=bn, block_k=nbytes * per_byte, num_warps=w)
-           for bn, nbytes, w in ((2, 512, 4), (2, 1024, 4), (4, 256, 4), (4, 512, 4),
-                                 (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 512, 8),
-                                 (16, 256, 4), (16, 512, 8))]
-    return [*fma, dot[1]]
+           for bn, nbytes, w in ((4, 512, 4), (8, 512, 4))]
+    gemv = [IntGemvConfig(block_n=bn, per_sm=ps, num_warps=w)
+            for bn, ps, w in ((2, 4, 4), (1, 4, 8), (2, 4, 8), (4, 4, 8), (2, 2, 16),
+                              (4, 2, 16), (2, 8, 1), (4, 8, 1), (8, 8, 1), (2, 8, 2),
+                              (4, 8, 2), (8, 8, 2), (4, 4, 4), (8, 4, 4), (2, 8, 4))]
+    return [*gemv, *fma]
 
 
-def label(c: IntLinearConfig) -> str:
+def label(c: IntLinearConfig | IntGemvConfig) -> str:
+    if isinstance(c, IntGemvConfig):
+        return f"dp4a n{c.block_n} sm{c.per_sm} w{c.num_warps}"
     kind = f"dot m{c.block_m}" if c.dot else "fma"
     return f"{kind} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
 
@@ -102,10 +110,10 @@ class Problem:
         zeros = torch.full((self.n_rows, groups), (top + 1) // 2, device="cuda")
         return IntWeight.from_ints(q, scales, zeros, self.bits)
 
-    def calls(self, cfg: IntLinearConfig | None) -> list[Callable[[], object]]:
+    def calls(self, cfg: IntLinearConfig | IntGemvConfig | None) -> list[Callable[[], object]]:
         return [lambda w=w: int_linear_triton(self.x, w, config=cfg, **self.kw) for w in self.ws]
 
-    def rel_err(self, cfg: IntLinearConfig | None) -> float:
+    def rel_err(self, cfg: IntLinearConfig | IntGemvConfig | None) -> float:
         # The float32 reference, spelled out: kernels.linear would pull in gguf.
         got = int_linear_triton(self.x, self.ws[0], config=cfg, **self.kw).float()
         x = self.x.float()
@@ -118,19 +126,28 @@ class Problem:
             want = want + self.kw["add"].float()
         return ((got - want).norm() / want.norm()).item()
 
-    def skinny_us(self) -> tuple[float, int]:
-        """The bf16 skinny kernel on the same shape (default tiles, no PDL), and its bytes."""
-        nbytes = self.n_rows * self.k * 2
+    def skinny_us(self, fp8: bool = False) -> tuple[float, int]:
+        """The bf16 skinny kernel on the same shape (default tiles, no PDL), or the same kernel
+        over e4m3 weights with row scales (``fp8``), and the bytes it streams."""
+        nbytes = self.n_rows * self.k * (1 if fp8 else 2) + (4 * self.n_rows if fp8 else 0)
         ws = [torch.empty(self.n_rows, self.k, dtype=BF, device="cuda").normal_(std=0.02)
               for _ in range(max(2, -(-(300 << 20) // nbytes)))]
-        us = graph_time_us([lambda w=w: skinny_linear_triton(self.x, w, pdl=False, **self.kw)
+        scale = {}
+        if fp8:
+            ws = [w.to(torch.float8_e4m3fn) for w in ws]
+            scale = {"weight_scale": torch.rand(self.n_rows, device="cuda") * 0.01}
+        us = graph_time_us([lambda w=w: skinny_linear_triton(self.x, w, pdl=False, **scale,
+                                                             **self.kw)
                             for w in ws], replays=5)
         return us, nbytes
 
 
 def sweep_one(shape: str, fmt: str, m: int) -> dict[str, object]:
     p = Problem(shape, fmt, m)
-    default = default_config(m, p.n_rows // 2 if p.silu else p.n_rows, p.k, p.group, p.bits)
+    n = p.n_rows // 2 if p.silu else p.n_rows
+    default: IntLinearConfig | IntGemvConfig = (
+        gemv_default(n, p.k, p.bits, p.silu) if m <= 2
+        else default_config(m, n, p.k, p.group, p.bits))
     grid = candidates(m, p.bits)
     if default not in grid:
         grid.append(default)
@@ -146,15 +163,18 @@ def sweep_one(shape: str, fmt: str, m: int) -> dict[str, object]:
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     best_cfg = next(c for c in grid if label(c) == ok[0]["config"])
     skinny_us, skinny_bytes = p.skinny_us()
+    fp8_us, fp8_bytes = p.skinny_us(fp8=True) if m <= 2 else (float("nan"), 0)
     res = {"bytes": p.bytes, "best": ok[0]["config"], "best_config": asdict(best_cfg),
            "us": ok[0]["us"], "TBps": ok[0]["TBps"], "rel_err": p.rel_err(best_cfg),
            "default": label(default),
            "default_us": next((r["us"] for r in rows if r.get("default")), None),
            "skinny_bf16_us": skinny_us, "skinny_bf16_TBps": skinny_bytes / skinny_us / 1e6,
+           "fp8_stream_us": fp8_us, "fp8_stream_TBps": fp8_bytes / fp8_us / 1e6,
            "rows": rows}
     print(f"{shape:8s} {fmt:13s} m{m}: best {res['best']:26s} {res['us']:7.2f} us "
           f"{res['TBps']:.2f} TB/s (err {res['rel_err']:.1e}; default {res['default_us']:.2f} "
-          f"us) | bf16 skinny {skinny_us:.2f} us {res['skinny_bf16_TBps']:.2f} TB/s", flush=True)
+          f"us) | bf16 skinny {skinny_us:.2f} us {res['skinny_bf16_TBps']:.2f} TB/s | fp8 "
+          f"{fp8_us:.2f} us {res['fp8_stream_TBps']:.2f} TB/s", flush=True)
     errors = [r for r in rows if "error" in r]
     if errors:
         print(f"   {len(errors)} failed, e.g. {errors[0]}")

@@ -30,8 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.int_gemv_triton import IntGemvConfig, _load_x, int_gemv_triton
+from kernels.int_gemv_triton import applies as gemv_applies
 from kernels.int_weight import BITS, IntWeight
-from kernels.linear_triton import SUPPORTED_DTYPES, _store_rows
+from kernels.linear_triton import SUPPORTED_DTYPES, _grouped_tile, _store_rows
 
 # The FMA path keeps partial sums per row of x, in registers of the weight tile's shape (so at
 # most this many rows); beyond them the default tiles take the tensor cores.
@@ -104,20 +106,6 @@ def default_config(m: int, n: int, k: int, group: int, bits: int) -> IntLinearCo
 def _minus_zero(q, zero_biased):
     """(q - zero) in float32, exactly: q int32 in 0..255, zero_biased = zero + 2**23."""
     return (q | _MAGIC).to(tl.float32, bitcast=True) - zero_biased
-
-
-@triton.jit
-def _load_x(x_rows, perm_ptr, norm_ptr, cols, xmask, kmask, PERM: tl.constexpr,
-            NORM: tl.constexpr):
-    """x[rows, perm[cols]] in float32 (NORM: times the norm weight's same columns), and the
-    squares of x itself (the sum of squares that gives 1/rms)."""
-    if PERM:
-        cols = tl.load(perm_ptr + cols, mask=kmask, other=0)
-    x = tl.load(x_rows + cols, mask=xmask, other=0.0).to(tl.float32)
-    sq = x * x
-    if NORM:
-        x = x * tl.load(norm_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
-    return x, sq
 
 
 @triton.jit
@@ -327,15 +315,7 @@ def _dot_kernel(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The same projection over [BLOCK_M, BLOCK_N] output tiles on the tensor cores."""
-    # Programs in launch order walk GROUP_M row blocks down each weight column block, so a
-    # weight tile is read from memory once per GROUP_M row blocks, not once per row block.
-    pid = tl.program_id(0)
-    blocks_m = tl.cdiv(M, BLOCK_M)
-    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (pid // per_group) * GROUP_M
-    height = tl.minimum(blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % height
-    pid_n = (pid % per_group) // height
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     mask_m = offs_m < M
@@ -452,7 +432,7 @@ def int_linear_triton(
     eps: float = 1e-5,
     silu: bool = False,
     add: torch.Tensor | None = None,
-    config: IntLinearConfig | None = None,
+    config: IntLinearConfig | IntGemvConfig | None = None,
 ) -> torch.Tensor:
     """x [M, K] (any M; last dim contiguous), weight an ``IntWeight`` [N, K] -> out [M, N] =
     x @ weight.dequantize().T, where
@@ -460,9 +440,15 @@ def int_linear_triton(
     * ``silu``: the weight is [2I, K] (gate rows, then up rows), out = silu(gate) * up, [M, I];
     * ``add`` [M, N] given: out += add (the residual stream's add, rounded once).
     Out is a new contiguous tensor in x's dtype. No host synchronization (graph-capturable).
+    One or two rows take the integer-dot GEMV (``kernels.int_gemv_triton``: activations
+    rounded to int8 per run of 32) where the groups hold whole runs, unless ``config`` is an
+    ``IntLinearConfig`` (its FMA path keeps the activations as they are).
     """
     n = _check_inputs(x, weight, norm_weight, silu, add)
     m, k = x.shape
+    if isinstance(config, IntGemvConfig) or (config is None and gemv_applies(weight, m)):
+        return int_gemv_triton(x, weight, n, norm_weight=norm_weight, eps=eps, silu=silu,
+                               add=add, config=config)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out

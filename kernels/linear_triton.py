@@ -35,6 +35,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # The most rows the kernel takes (its tensor-core variant pads rows to 16).
 MAX_ROWS = 16
+# e4m3 weights take the FMA tiles only (more rows go to kernels.fp8_linear_triton's W8A8 GEMM).
+MAX_FP8_ROWS = 2
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -62,6 +64,19 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  GROUP_M: tl.constexpr):
+    """Program pid's output tile (pid_m, pid_n) of a GEMM. Programs in launch order walk
+    GROUP_M row blocks down each weight column block, so a weight tile is read from memory
+    once per GROUP_M row blocks, not once per row block."""
+    blocks_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // per_group) * GROUP_M
+    height = tl.minimum(blocks_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % height, (pid % per_group) // height
+
+
+@triton.jit
 def _store_rows(out, out_u, rstd, offs_m, rows, mask_m, N, add_ptr, out_ptr, stride_am,
                 stride_om, SCALE: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr):
     """Epilogue of a [BLOCK_M, BLOCK_N] block of float32 sums: 1/rms, SiLU-and-mul, the add."""
@@ -83,15 +98,27 @@ def _store_rows(out, out_u, rstd, offs_m, rows, mask_m, N, add_ptr, out_ptr, str
 
 
 @triton.jit
+def _row_scaled(out, out_u, s_ptr, rows, N, WSCALE: tl.constexpr, SILU: tl.constexpr):
+    """WSCALE (e4m3 weights): the finished sums times their weight row's scale (gate row j's
+    and, for the SiLU pair, up row N + j's); a row's scale factors out of its sum over K."""
+    if WSCALE:
+        mask = rows < N
+        out = out * tl.load(s_ptr + rows, mask=mask, other=0.0)[None, :]
+        if SILU:
+            out_u = out_u * tl.load(s_ptr + N + rows, mask=mask, other=0.0)[None, :]
+    return out, out_u
+
+
+@triton.jit
 def _skinny_linear_kernel(
-    x_ptr, norm_ptr, w_ptr, add_ptr, out_ptr,
+    x_ptr, norm_ptr, w_ptr, s_ptr, add_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_am, stride_om, up_offset,
     eps,
     NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC3: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, LINE: tl.constexpr, EVEN_K: tl.constexpr,
+    PREFETCH: tl.constexpr, LINE: tl.constexpr, EVEN_K: tl.constexpr, WSCALE: tl.constexpr,
 ):
     """out[M, N] = prologue(x)[M, K] @ w[N, K].T (+ add) (SILU: N = I, w holds 2I rows)."""
     pid = tl.program_id(0)
@@ -140,9 +167,9 @@ def _skinny_linear_kernel(
             a32 = a.to(tl.float32)
             sumsq += tl.sum(a32 * a32, axis=1)
             nw = tl.load(norm_ptr + k0 + offs_k, mask=(offs_k + k0) < K, other=0.0)
-            a = (a32 * nw.to(tl.float32)[None, :]).to(w_ptr.dtype.element_ty)
+            a = (a32 * nw.to(tl.float32)[None, :]).to(out_ptr.dtype.element_ty)
         else:
-            a = a.to(w_ptr.dtype.element_ty)
+            a = a.to(out_ptr.dtype.element_ty)
         if DOT:
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
         elif ACC3:
@@ -166,19 +193,21 @@ def _skinny_linear_kernel(
         out = tl.sum(acc, axis=2)
         out_u = tl.sum(acc_u, axis=2)
     rstd = 1.0 / tl.sqrt(sumsq / K + eps)
+    out, out_u = _row_scaled(out, out_u, s_ptr, offs_n, N, WSCALE, SILU)
     _store_rows(out, out_u, rstd, offs_m, offs_n, mask_m, N, add_ptr, out_ptr, stride_am,
                 stride_om, NORM, SILU, ADD)
 
 
 @triton.jit
 def _persistent_gemv_kernel(
-    x_ptr, norm_ptr, w_ptr, add_ptr, out_ptr,
+    x_ptr, norm_ptr, w_ptr, s_ptr, add_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_am, stride_om, up_offset,
     eps,
     NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, ONE_SHOT: tl.constexpr,
+    WSCALE: tl.constexpr,
 ):
     """The same projection with one program per resident slot, each looping over blocks of
     BLOCK_N weight rows (pid, pid + programs, ...).
@@ -216,8 +245,8 @@ def _persistent_gemv_kernel(
             rstd = 1.0 / tl.sqrt(tl.sum(a32 * a32, axis=1) / K + eps)
             normed = (a32 * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
             nw = tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            a = (normed * nw[None, :]).to(w_ptr.dtype.element_ty)
-        a32 = a.to(w_ptr.dtype.element_ty).to(tl.float32)
+            a = (normed * nw[None, :]).to(out_ptr.dtype.element_ty)
+        a32 = a.to(out_ptr.dtype.element_ty).to(tl.float32)
         for blk in range(pid, n_blocks, nprog):
             nxt = (blk + nprog) * BLOCK_N + offs_n
             nm = (nxt < N)[:, None] & mask_k[None, :]
@@ -231,6 +260,7 @@ def _persistent_gemv_kernel(
                 u_next = w_next
                 out_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             out = tl.sum(a32[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            out, out_u = _row_scaled(out, out_u, s_ptr, blk * BLOCK_N + offs_n, N, WSCALE, SILU)
             _store_rows(out, out_u, rstd, offs_m, blk * BLOCK_N + offs_n, mask_m, N, add_ptr,
                         out_ptr, stride_am, stride_om, False, SILU, ADD)
             w = w_next
@@ -261,13 +291,14 @@ def _persistent_gemv_kernel(
                     sumsq += tl.sum(a32 * a32, axis=1)
                     nw = tl.load(norm_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
                     a32 = a32 * nw[None, :]
-                a32 = a32.to(w_ptr.dtype.element_ty).to(tl.float32)
+                a32 = a32.to(out_ptr.dtype.element_ty).to(tl.float32)
                 acc += tl.sum(a32[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
                 if SILU:
                     u = tl.load(w_rows + up_offset + k0, mask=wm, other=0.0,
                                 eviction_policy="evict_first")
                     acc_u += tl.sum(a32[:, None, :] * u.to(tl.float32)[None, :, :], axis=2)
             rstd = 1.0 / tl.sqrt(sumsq / K + eps)
+            acc, acc_u = _row_scaled(acc, acc_u, s_ptr, rows, N, WSCALE, SILU)
             _store_rows(acc, acc_u, rstd, offs_m, rows, mask_m, N, add_ptr, out_ptr, stride_am,
                         stride_om, NORM, SILU, ADD)
 
@@ -324,6 +355,7 @@ def skinny_linear_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
     *,
+    weight_scale: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-5,
     silu: bool = False,
@@ -332,11 +364,13 @@ def skinny_linear_triton(
     config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K] -> out [M, N] = x @ weight.T, where
+    * ``weight_scale`` [N] float32: the weight is e4m3 (``Fp8Weight``'s values, at most
+      ``MAX_FP8_ROWS`` rows of x) and row n's products are scaled by ``weight_scale[n]``;
     * ``norm_weight`` given: x is RMS-normalized first (``rms_norm_ref`` without a residual);
     * ``silu``: weight is [2I, K] (gate rows, then up rows) and out = silu(gate) * up, [M, I];
     * ``add`` [M, N] given: out += add (the residual stream's add, rounded once);
     * ``pdl``: launch with programmatic dependent launch (default: where supported).
-    Out is a new contiguous tensor in the weight's dtype.
+    Out is a new contiguous tensor in the weight's dtype (x's over e4m3 weights).
     """
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x and weight must be 2-D, got {tuple(x.shape)} and "
@@ -346,7 +380,13 @@ def skinny_linear_triton(
     if m > MAX_ROWS:
         raise ValueError(f"x has {m} rows; the skinny kernel takes at most {MAX_ROWS}")
     _check("x", x, x, (m, k))
-    _check("weight", weight, x, (n_rows, k))
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 != (weight_scale is not None):
+        raise ValueError("e4m3 weights need their weight_scale, and only they take one")
+    if fp8:
+        _check_fp8(weight, weight_scale, x, m, k)  # type: ignore[arg-type]
+    else:
+        _check("weight", weight, x, (n_rows, k))
     if silu and n_rows % 2:
         raise ValueError(f"silu needs gate and up rows: weight has an odd {n_rows} rows")
     n = n_rows // 2 if silu else n_rows
@@ -354,14 +394,17 @@ def skinny_linear_triton(
         _check("norm_weight", norm_weight, x, (k,))
     if add is not None:
         _check("add", add, x, (m, n))
-    out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=x.dtype if fp8 else weight.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     cfg = config or default_config(m, n, k, silu)
+    if fp8 and cfg.dot:
+        raise ValueError("e4m3 weights take the FMA tiles (dot=False)")
     use_pdl = pdl_supported(x.device) if pdl is None else pdl
     block_m = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
     # Both kernels take the same tensors, sizes, strides, fusions and tile.
-    args = (x, x if norm_weight is None else norm_weight, weight, out if add is None else add,
+    args = (x, x if norm_weight is None else norm_weight, weight,
+            x if weight_scale is None else weight_scale, out if add is None else add,
             out, m, n, k,
             x.stride(0), weight.stride(0), 0 if add is None else add.stride(0), out.stride(0),
             n * weight.stride(0), eps)
@@ -369,7 +412,7 @@ def skinny_linear_triton(
         NORM=norm_weight is not None, SILU=silu, ADD=add is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PDL=use_pdl, PREFETCH=cfg.prefetch if use_pdl else 0, LINE=128 // weight.element_size(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WSCALE=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if use_pdl else {}))
     blocks = triton.cdiv(n, cfg.block_n)
     if cfg.persistent and not cfg.dot:
@@ -381,3 +424,17 @@ def skinny_linear_triton(
             # float32 weights: exact products, not TF32's 10-bit mantissas.
             DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", **common)
     return out
+
+
+def _check_fp8(weight: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, m: int, k: int
+               ) -> None:
+    n = weight.shape[0]
+    if m > MAX_FP8_ROWS:
+        raise ValueError(f"x has {m} rows; e4m3 weights stream for at most {MAX_FP8_ROWS}")
+    for name, t, shape in (("weight", weight, (n, k)), ("weight_scale", scale, (n,))):
+        if t.device != x.device:
+            raise ValueError(f"{name} must be on {x.device}, got {t.device}")
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {shape}, got {tuple(t.shape)}")
+    if scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale must be float32, got {scale.dtype}")

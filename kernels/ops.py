@@ -38,15 +38,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight | Fp
            add: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ add [M, N], the residual stream's add) -> [M, N].
     ``weight`` may be packed GGUF blocks (``kernels.packed_weight``; CPU), integers with
-    group scales (``kernels.int_weight``; CPU and Triton, any number of rows) or FP8 values
-    scaled per row (``kernels.fp8_weight``; the CPU kernel, else the reference)."""
+    group scales (``kernels.int_weight``; CPU and Triton, any number of rows) or e4m3 values
+    with row scales (``kernels.fp8_weight``; CPU: weight-only, Triton: W8A8 beyond two rows).
+    """
+    if isinstance(weight, Fp8Weight):
+        if use_triton(x):
+            return _fp8_linear_triton(x, weight, add=add)
+        return linear_impl(x, weight, add)
     if isinstance(weight, IntWeight):
         if use_triton(x):
             from kernels.int_linear_triton import int_linear_triton
 
             return int_linear_triton(x, weight, add=add)
-        return linear_impl(x, weight, add)
-    if isinstance(weight, Fp8Weight):  # CUDA and TIDEGATE_KERNELS=triton: the reference
         return linear_impl(x, weight, add)
     if fuses_projections(x) and not isinstance(weight, PackedWeight):
         from kernels.linear_triton import skinny_linear_triton
@@ -60,6 +63,8 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                 ) -> torch.Tensor:
     """rms_norm(x) @ weight.T, then silu(gate) * up if ``silu`` (weight: gate rows, then up
     rows); one weight stream with the norm and SiLU fused where the few-row kernel serves."""
+    if isinstance(weight, Fp8Weight) and fuses_projections(x):
+        return _fp8_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)
     if isinstance(weight, IntWeight) and fuses_projections(x):
         from kernels.int_linear_triton import int_linear_triton
 
@@ -70,6 +75,23 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         return skinny_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)
     out = linear(rms_norm(x, norm_weight, eps)[0], weight)
     return silu_and_mul(out) if silu else out
+
+
+def _fp8_linear_triton(x: torch.Tensor, weight: Fp8Weight, *,
+                       norm_weight: torch.Tensor | None = None, eps: float = 1e-5,
+                       silu: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+    """e4m3 weights on Triton: a weight stream (activations unrounded) for a row or two, the
+    W8A8 GEMM beyond (no norm prologue there: many-row steps normalize first)."""
+    from kernels.linear_triton import MAX_FP8_ROWS, skinny_linear_triton
+
+    if x.shape[0] <= MAX_FP8_ROWS:
+        return skinny_linear_triton(x, weight.weight, weight_scale=weight.scales,
+                                    norm_weight=norm_weight, eps=eps, silu=silu, add=add)
+    from kernels.fp8_linear_triton import fp8_gemm
+
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)[0]
+    return fp8_gemm(x, weight, silu=silu, add=add)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """The integer-weight Triton projection (``kernels.int_linear_triton``) against the dequantized
 matrix through the plain-torch references: 4 and 8 bits, groups of 32, 64 and the whole row
 (and the group sizes that are no power of two), symmetric and asymmetric, with and without
-act-order, on the FMA path (1-2 rows) and the tensor-core path (partial row and column tiles),
-with the RMSNorm prologue, the SiLU-and-mul epilogue and the residual add; then the tiles'
-choice and the wrapper's refusals.
+act-order, on the FMA path (1-2 rows, asked for by its config, or where the integer-dot GEMV
+does not apply) and the tensor-core path (partial row and column tiles), with the RMSNorm
+prologue, the SiLU-and-mul epilogue and the residual add; then the tiles' choice and the
+wrapper's refusals. The integer-dot GEMV that serves 1-2 rows by default is
+``tests/kernels/test_int_gemv_triton.py``.
 
 Without CUDA they run in Triton's interpreter (small shapes, float32 and float16; bfloat16 and
 the model's shapes are in ``tests/gpu/test_gpu_int_linear.py``).
@@ -24,6 +26,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16]
 K = 192  # runs of 32, groups of 32 and 64, or one group of 192 (not a power of two)
 N = 40  # no multiple of any block_n the tiles use
+FMA = IntLinearConfig(block_n=4, block_k=64)  # the FMA path for 1-2 rows, activations as they are
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +64,8 @@ def test_rows_on_both_paths_match_the_dequantized_matrix(bits: int, group: int |
                                                          dtype: torch.dtype) -> None:
     # 1-2 rows: FMA (2 rows in steps of 64 columns); 5 and 33: tensor cores, 33 leaving a
     # partial row tile. Act-order and asymmetric zeros on half of them.
-    for m, act_order, cfg in ((1, False, None), (2, True, IntLinearConfig(block_n=8, block_k=64)),
+    for m, act_order, cfg in ((1, False, IntLinearConfig()),
+                              (2, True, IntLinearConfig(block_n=8, block_k=64)),
                               (5, False, None), (33, True, None)):
         w = int_weight(N, K, bits, group, symmetric=group != 32, act_order=act_order)
         x = activations(m, K, dtype)
@@ -79,10 +83,12 @@ def test_norm_prologue_and_silu_epilogue(bits: int, dtype: torch.dtype) -> None:
     for m in (1, 2, 5):
         x = activations(m, K, dtype)
         want = norm_linear_ref(x, norm, 1e-5, w.dequantize().to(dtype), silu=True)
-        assert_close(int_linear_triton(x, w, norm_weight=norm, eps=1e-5, silu=True), want, dtype)
+        out = int_linear_triton(x, w, norm_weight=norm, eps=1e-5, silu=True,
+                                config=FMA if m <= 2 else None)
+        assert_close(out, want, dtype)
     x = activations(2, K, dtype)
     want = norm_linear_ref(x, norm, 1e-5, w.dequantize().to(dtype))
-    assert_close(int_linear_triton(x, w, norm_weight=norm, eps=1e-5), want, dtype)
+    assert_close(int_linear_triton(x, w, norm_weight=norm, eps=1e-5, config=FMA), want, dtype)
 
 
 @pytest.mark.parametrize(("bits", "group", "k"), [
