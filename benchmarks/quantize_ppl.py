@@ -6,6 +6,9 @@ directory with the real command, then ``tidegate eval-ppl`` scores one text on t
 and on each checkpoint, same windows, same threads. GPTQ and AWQ calibrate on a different text.
 
     python benchmarks/quantize_ppl.py --out benchmarks/results/quantize_ppl.json
+
+``--only fp8`` (repeatable) runs those methods (and the source again) and merges their rows
+into ``--out``, replacing rows of the same label.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ METHODS = [
     ("gptq-int4", ["--calibration", CALIBRATION_TEXT, "--asymmetric"]),
     ("awq-int4", ["--calibration", CALIBRATION_TEXT]),
     ("awq-int4", ["--calibration", CALIBRATION_TEXT, "--asymmetric"]),
+    ("fp8", []),
 ]
 
 
@@ -44,13 +48,16 @@ def main() -> None:
     ap.add_argument("--text", default=EVAL_TEXT)
     ap.add_argument("--context", default="512")
     ap.add_argument("--out", default="quantize_ppl.json")
+    ap.add_argument("--only", action="append", choices=sorted({m for m, _ in METHODS}),
+                    help="run only this method (repeatable), merging its rows into --out")
     args = ap.parse_args()
+    methods = [(m, extra) for m, extra in METHODS if not args.only or m in args.only]
     rows: list[dict[str, object]] = []
     base = tidegate("eval-ppl", args.model, "--text", args.text, "--context", args.context)
     rows.append({"method": "source (packed GGUF)", **base})
     print(rows[-1], flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (method, extra) in enumerate(METHODS):
+        for i, (method, extra) in enumerate(methods):
             out = Path(tmp) / f"q{i}"
             start = time.perf_counter()
             written = tidegate("quantize", args.model, str(out), "--method", method, *extra)
@@ -61,9 +68,15 @@ def main() -> None:
             rows.append({"method": label, "quantize": written, "quantize_s": quantize_s, **ppl,
                          "ppl_delta": ppl["ppl"] - base["ppl"]})  # type: ignore[operator]
             print(rows[-1], flush=True)
-    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "text": args.text,
-                                          "calibration": CALIBRATION_TEXT, "rows": rows},
-                                         indent=1))
+    result = {"command": " ".join(sys.argv), "text": args.text,
+              "calibration": CALIBRATION_TEXT, "rows": rows}
+    if args.only and Path(args.out).exists():  # earlier rows stay, in their order
+        result = json.loads(Path(args.out).read_text())
+        fresh = {row["method"]: row for row in rows}
+        result["rows"] = [fresh.pop(row["method"], row) for row in result["rows"]]
+        result["rows"] += list(fresh.values())
+        result.setdefault("merged_runs", []).append(" ".join(sys.argv))
+    Path(args.out).write_text(json.dumps(result, indent=1))
     for row in rows:
         print(f"{row['method']:<28} ppl {row['ppl']:8.3f}  {row['weights']}, "
               f"{row['weight_mb']} MB")

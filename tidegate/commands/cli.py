@@ -282,9 +282,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     else:
         group_text = "one group per row" if report.group_size == -1 else (
             f"groups of {report.group_size}")
-        values = "fp8 e4m3" if report.method == "fp8" else f"{report.bits}-bit"
-        print(f"wrote {report.out} ({report.format}, {values}, {group_text}, "
-              f"{report.linears} linears, {summary['mb_written']} MB, {summary['seconds']} s)")
+        values = ("fp8 e4m3, a scale per channel" if report.method == "fp8"
+                  else f"{report.bits}-bit, {group_text}")
+        print(f"wrote {report.out} ({report.format}, {values}, {report.linears} linears, "
+              f"{summary['mb_written']} MB, {summary['seconds']} s)")
     return 0
 
 
