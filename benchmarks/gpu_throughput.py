@@ -245,7 +245,21 @@ def offline(loaded, kv_cache_dtype: str = "auto") -> dict[str, float]:
     # decodes with prompt chunks: the eager mixed step's kernels compile here, not in the run.
     warm = random_prompts(random.Random(12), 96, 256, 256, 16, 16, loaded.config.vocab_size)
     run_requests(engine, warm)
-    return run_requests(engine, reqs)
+    return {**run_requests(engine, reqs), **decode_device_ms(engine, loaded)}
+
+
+def decode_device_ms(engine: Engine, loaded) -> dict[str, float]:
+    """The device's own time for a full decode step (the largest captured graph, replayed on
+    the run's last inputs, plus the LM head over its rows), against which a run's wall time per
+    step says whether the host or the device set the pace."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return {}
+    captured = graphs._graphs[max(graphs.sizes)]
+    ms = cuda_time_ms(captured.graph.replay, iters=10)
+    head_ms = cuda_time_ms(lambda: loaded.model.compute_logits(captured.hidden), iters=10)
+    return {"decode_graph_ms": ms, "decode_lm_head_ms": head_ms,
+            "decode_batch": max(graphs.sizes)}
 
 
 def mixed(loaded) -> dict[str, float]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 
@@ -124,6 +125,13 @@ def test_cli_bad_input_exits_2_with_a_message(stack: str) -> None:
     assert "Traceback" not in out.stderr
     out = cli("worker", "--kv-cache-dtype", "int8")
     assert out.returncode == 2 and "invalid choice: 'int8'" in out.stderr
+    out = cli("worker", "--quantize", "fp8", "--dtype", "bfloat16")  # on the CPU
+    assert out.returncode == 2 and "--quantize fp8" in out.stderr
+    # Found while loading, not before: the default model is a (packed) GGUF already.
+    out = subprocess.run([*TIDEGATE, "worker", "--quantize", "rtn-int8"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "TIDEGATE_METRICS_PORT": "0"})
+    assert out.returncode == 2 and "quantized already" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")

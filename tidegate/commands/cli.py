@@ -88,6 +88,10 @@ def _check_engine(settings) -> None:  # noqa: ANN001 - Settings, imported lazily
     if settings.kv_cache_dtype == "fp8" and not settings.device.startswith("cuda"):
         raise CliError(f"--kv-cache-dtype fp8: the FP8 cache needs --device cuda, not "
                        f"{settings.device}")
+    if (settings.quantize != "none" and not settings.device.startswith("cuda")
+            and settings.dtype not in ("auto", "float32")):
+        raise CliError(f"--quantize {settings.quantize}: on the CPU the quantized kernels take "
+                       f"float32, not --dtype {settings.dtype}")
 
 
 def _check_device(device: str) -> None:
@@ -106,10 +110,15 @@ def _check_device(device: str) -> None:
 def cmd_worker(args: argparse.Namespace) -> int:
     from worker.service.service import serve
 
+    from tidegate.model_files.model_source import ModelLoadError
+
     settings = _settings(args)
     _check_model(settings.model)
     _check_engine(settings)
-    return asyncio.run(serve(settings))
+    try:
+        return asyncio.run(serve(settings))
+    except ModelLoadError as exc:  # found while loading: a tensor, a format, --quantize
+        raise CliError(str(exc)) from None
 
 
 def cmd_api(args: argparse.Namespace) -> int:
