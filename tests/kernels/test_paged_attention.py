@@ -205,3 +205,12 @@ def test_many_decodes_are_bucketed_by_length_and_still_exact(
     assert_close(out, batch.expected, torch.float32)
     ref = paged_attention_ref(batch.q, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
     assert_close(out, ref.double(), torch.float32)
+
+
+def test_block_tables_pad_to_the_widest_with_block_zero() -> None:
+    from kernels.paged_attention import padded_tables
+
+    tables = padded_tables([[7, 3], [], [9, 8, 6, 5]])
+    assert tables.dtype == torch.int32
+    assert tables.tolist() == [[7, 3, 0, 0], [0, 0, 0, 0], [9, 8, 6, 5]]
+    assert padded_tables([]).shape == (0, 0)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import ops
+from kernels.paged_attention import padded_tables
 from kernels.paged_attention_triton import default_num_splits
 from worker.models.llama import LlamaModel
 
@@ -139,12 +140,11 @@ class CudaGraphDecoder:
         host["slot_mapping"][:n] = torch.tensor(slots)
         host["seq_lens"][:n] = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
         tables = host["block_tables"]
-        w = max(len(t) for t in block_tables)
+        padded = padded_tables(block_tables)
+        w = padded.shape[1]
         if w > self.width:
             raise ValueError(f"a block table of {w} blocks exceeds the captured {self.width}")
-        # Columns past a sequence's own blocks are never read (its context length bounds them).
-        tables[:n, :w] = torch.tensor([[*t, *[0] * (w - len(t))] for t in block_tables],
-                                      dtype=torch.int32)
+        tables[:n, :w] = padded
         # Padding rows: a skipped store and a one-token context in block 0.
         host["input_ids"][n:b] = 0
         host["positions"][n:b] = 0
