@@ -108,9 +108,8 @@ def _check_device(device: str) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from worker.service.service import serve
-
     from tidegate.model_files.model_source import ModelLoadError
+    from worker.service.service import serve
 
     settings = _settings(args)
     _check_model(settings.model)
