@@ -33,7 +33,7 @@ log = logging.getLogger("tidegate.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_decode_cpu.c", CSRC / "linear_cpu.c",  # one shared object
-           CSRC / "packed_linear_cpu.c", CSRC / "elementwise_cpu.c")
+           CSRC / "packed_linear_cpu.c", CSRC / "q8_linear_cpu.c", CSRC / "elementwise_cpu.c")
 # fast-math's parts let the compiler vectorize the reductions (the kernel never sees inf or
 # NaN by construction: its exp clamps, its max starts from a real score). Not -ffast-math
 # itself: with it, GCC links crtfastmath.o into the shared object, whose loading turns on
@@ -76,9 +76,10 @@ def _compiler() -> str:
     return cc
 
 
-def build(sources: tuple[Path, ...] = SOURCES) -> Path:
-    """Compile ``sources`` into one shared object unless a build for these sources, compiler
-    and CPU is cached."""
+def build(sources: tuple[Path, ...] = SOURCES, defines: tuple[str, ...] = ()) -> Path:
+    """Compile ``sources`` into one shared object unless a build for these sources, compiler,
+    CPU and ``defines`` (``-D`` names: the tests force the slower paths with them) is cached."""
+    flags = [*FLAGS, *(f"-D{name}" for name in defines)]
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
@@ -87,7 +88,7 @@ def build(sources: tuple[Path, ...] = SOURCES) -> Path:
         raise NativeBuildError(f"{cc} --version failed: {exc}") from exc
     headers = sorted({h for src in sources for h in src.parent.glob("*.h")})
     key = hashlib.sha256("\0".join(
-        [*(src.read_text() for src in (*sources, *headers)), " ".join(FLAGS), version,
+        [*(src.read_text() for src in (*sources, *headers)), " ".join(flags), version,
          _cpu_identity()]
     ).encode()).hexdigest()[:16]
     target = cache_dir() / f"tidegate-cpu-{key}.so"
@@ -98,7 +99,7 @@ def build(sources: tuple[Path, ...] = SOURCES) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, *map(str, sources), "-o", tmp], capture_output=True,
+        proc = subprocess.run([cc, *flags, *map(str, sources), "-o", tmp], capture_output=True,
                               text=True, timeout=300)
         if proc.returncode != 0:
             names = ", ".join(src.name for src in sources)
@@ -150,6 +151,23 @@ class NativeCpuKernels:
                        + [ctypes.c_int64] * 4 + [ctypes.c_int])
         fn.restype = None
         self._rotary_store_kv = fn
+        fn = self.lib.tidegate_quantize_rows_q8
+        fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
+        fn.restype = None
+        self._quantize_rows_q8 = fn
+        fn = self.lib.tidegate_q8_packed_linear
+        fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._q8_packed_linear = fn
+        fn = self.lib.tidegate_q8_int_linear
+        fn.argtypes = ([ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 6
+                       + [ctypes.c_int64] * 4 + [ctypes.c_int])
+        fn.restype = ctypes.c_int
+        self._q8_int_linear = fn
+        self.lib.tidegate_q8_row_bytes.argtypes = [ctypes.c_int64]
+        self.lib.tidegate_q8_row_bytes.restype = ctypes.c_int64
+        # Which path the 8-bit kernels compute with: 2 AVX512-VNNI, 1 AVX2, 0 portable C.
+        self.q8_path = int(self.lib.tidegate_q8_path())
 
     def skinny_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight[N, K].T -> [M, N] for few rows (decode steps); float32 CPU."""
@@ -171,30 +189,37 @@ class NativeCpuKernels:
 
     def packed_linear(self, x: torch.Tensor, weight: PackedWeight,
                       add: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] @ dequant(weight) [N, K].T (+ add [M, N]) -> [M, N]; float32 CPU x."""
+        """x [M, K] @ dequant(weight) [N, K].T (+ add [M, N]) -> [M, N]; float32 CPU x.
+        With ``weight.activations == "int8"`` the quantized parts multiply x rounded to 8-bit
+        blocks (``quantize_rows_q8``, once per call)."""
         n, k = weight.shape
         x, out, add = _projection_operands(x, weight.shape, add)
         m = x.shape[0]
         if m == 0:
             return out
         threads = torch.get_num_threads()
+        xq = None
         row = 0
         for part in weight.parts:
-            rc = self._packed_linear(
-                part.qtype, x.data_ptr(), part.data.data_ptr(), out.data_ptr() + 4 * row,
-                None if add is None else add.data_ptr() + 4 * row, m, part.rows, k,
-                x.stride(0), n, threads)
-            if rc == -2:
-                raise MemoryError("packed linear kernel could not allocate its scratch memory")
-            if rc != 0:
-                raise ValueError(f"packed linear: GGML type {part.qtype} with {k} columns")
+            y = out.data_ptr() + 4 * row
+            a = None if add is None else add.data_ptr() + 4 * row
+            if weight.takes_int8(part):
+                xq = self.quantize_rows_q8(x) if xq is None else xq
+                rc = self._q8_packed_linear(part.qtype, xq.data_ptr(), part.data.data_ptr(), y, a,
+                                            m, part.rows, k, n, threads)
+            else:
+                rc = self._packed_linear(part.qtype, x.data_ptr(), part.data.data_ptr(), y, a, m,
+                                         part.rows, k, x.stride(0), n, threads)
+            _check_rc(rc, f"packed linear: GGML type {part.qtype} with {k} columns")
             row += part.rows
         return out
 
     def int_linear(self, x: torch.Tensor, weight: IntWeight,
                    add: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ weight.dequantize() [N, K].T (+ add [M, N]) -> [M, N]; float32 CPU x.
-        Act-order weights read x's columns in their stored order (one gather of x)."""
+        Act-order weights read x's columns in their stored order (one gather of x). With
+        ``weight.activations == "int8"`` (and K whole blocks of 32, groups whole steps of 16),
+        x is rounded to 8-bit blocks first."""
         n, k = weight.shape
         x, out, add = _projection_operands(x, weight.shape, add)
         if weight.perm is not None:
@@ -202,15 +227,31 @@ class NativeCpuKernels:
         m = x.shape[0]
         if m == 0:
             return out
-        rc = self._int_linear(weight.bits, weight.group_size, x.data_ptr(),
-                              weight.qweight.data_ptr(), weight.scales.data_ptr(),
-                              weight.zeros.data_ptr(), out.data_ptr(),
-                              None if add is None else add.data_ptr(), m, n, k, x.stride(0), n,
-                              torch.get_num_threads())
-        if rc == -2:
-            raise MemoryError("int linear kernel could not allocate its scratch memory")
-        if rc != 0:
-            raise ValueError(f"int linear: {weight.bits} bits in groups of {weight.group_size}")
+        threads = torch.get_num_threads()
+        a = None if add is None else add.data_ptr()
+        args = (weight.qweight.data_ptr(), weight.scales.data_ptr(), weight.zeros.data_ptr(),
+                out.data_ptr(), a, m, n, k)
+        if weight.takes_int8:
+            xq = self.quantize_rows_q8(x)  # held until the call returns
+            rc = self._q8_int_linear(weight.bits, weight.group_size, xq.data_ptr(), *args, n,
+                                     threads)
+        else:
+            rc = self._int_linear(weight.bits, weight.group_size, x.data_ptr(), *args,
+                                  x.stride(0), n, threads)
+        _check_rc(rc, f"int linear: {weight.bits} bits in groups of {weight.group_size}")
+        return out
+
+    def quantize_rows_q8(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 rows x [M, K] (K a multiple of 32) as 8-bit records [M, 1.5 K] uint8 (the
+        layout in ``csrc/q8_linear_cpu.c``; ``kernels.q8_activations`` is the reference)."""
+        m, k = x.shape
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1 or k % 32:
+            raise ValueError(f"8-bit rows need float32 CPU rows of whole blocks of 32, got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
+        out = torch.empty(m, self.lib.tidegate_q8_row_bytes(k), dtype=torch.uint8)
+        if m:
+            self._quantize_rows_q8(x.data_ptr(), x.stride(0), m, k, out.data_ptr(),
+                                   torch.get_num_threads())
         return out
 
     def dequantize_rows(self, weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
@@ -288,6 +329,15 @@ class NativeCpuKernels:
         if rc != 0:
             raise MemoryError("paged decode kernel could not allocate its scratch memory")
         return out
+
+
+def _check_rc(rc: int, what: str) -> None:
+    """The projection kernels' return codes: -2 out of scratch memory, other non-zero: the
+    weight's format or shape is not one the kernel computes."""
+    if rc == -2:
+        raise MemoryError(f"{what}: the kernel could not allocate its scratch memory")
+    if rc != 0:
+        raise ValueError(f"{what}: not computed by this kernel")
 
 
 def _projection_operands(x: torch.Tensor, shape: tuple[int, int], add: torch.Tensor | None
