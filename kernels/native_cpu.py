@@ -122,6 +122,11 @@ class NativeCpuKernels:
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._paged_decode = fn
+        fn = self.lib.tidegate_paged_prefill_f32
+        fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
+                       + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int])
+        fn.restype = ctypes.c_int
+        self._paged_prefill = fn
         fn = self.lib.tidegate_skinny_linear_f32
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_int]
         fn.restype = None
@@ -329,6 +334,26 @@ class NativeCpuKernels:
         if rc != 0:
             raise MemoryError("paged decode kernel could not allocate its scratch memory")
         return out
+
+    def paged_prefill(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_table: torch.Tensor, start: int, scale: float,
+                      out: torch.Tensor) -> None:
+        """One sequence's prompt chunk q [T, Hq, D] (positions start .. start+T-1, their keys
+        and values stored) attending causally into ``out`` [T, Hq, D] contiguous: each row with
+        the decode kernel's arithmetic, so a token gets the same bits either way. Caches and
+        q as ``paged_decode`` checks them."""
+        t, hq, d = q.shape
+        _, block_size, hk, _ = key_cache.shape
+        if -(-(start + t) // block_size) > block_table.shape[0]:
+            raise ValueError(f"block table of {block_table.shape[0]} blocks does not cover "
+                             f"{start + t} tokens")
+        q = q.contiguous()
+        table = block_table.to(torch.int32).contiguous()
+        if t and self._paged_prefill(
+                q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), table.data_ptr(),
+                start, out.data_ptr(), t, hq, hk, d, block_size, float(scale),
+                torch.get_num_threads()) != 0:
+            raise MemoryError("paged prefill kernel could not allocate its scratch memory")
 
 
 def _check_rc(rc: int, what: str) -> None:

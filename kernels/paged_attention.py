@@ -230,8 +230,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """The step's attention: decodes batched, prefill chunks per sequence -> [T, Hq, D].
 
-    Decodes in float32 on the CPU go to the native kernel, which reads the cache in place;
-    elsewhere (and with ``TIDEGATE_KERNELS=reference``) to the gather + SDPA path below.
+    Decodes in float32 on the CPU go to the native kernel, which reads the cache in place,
+    and so do prompt chunks, row by row with the decodes' arithmetic (a token's attention then
+    does not depend on whether a decode or a prompt chunk computed it); elsewhere (and with
+    ``TIDEGATE_KERNELS=reference``) to the gather + SDPA paths below.
     """
     check_shapes(q, key_cache, value_cache, meta)
     nd, block_size = meta.num_decodes, key_cache.shape[1]
@@ -257,6 +259,17 @@ def paged_attention(
     out = torch.empty_like(q)
     if decode is not None:
         out[:nd] = decode
+    if native_decode_applies(q):  # float32 CPU: each row as a decode computes it
+        native = native_kernels()
+        assert native is not None
+        start = nd
+        for row in range(nd, len(meta.seq_lens_host)):
+            seq_len, q_len = meta.seq_lens_host[row], meta.query_lens_host[row]
+            native.paged_prefill(q[start:start + q_len], key_cache, value_cache,
+                                 meta.block_tables[row], seq_len - q_len, scale,
+                                 out[start:start + q_len])
+            start += q_len
+        return out
     paged_prefill_attention(
         q[nd:], key_cache, value_cache, meta.block_tables[nd:], meta.seq_lens_host[nd:],
         meta.query_lens_host[nd:], scale, out=out[nd:],

@@ -26,6 +26,11 @@ class Settings(BaseSettings):
                          description="quantized matrices (GGUF, GPTQ, AWQ, compressed-"
                                      "tensors): auto (kept packed where a kernel reads them), "
                                      "packed, or dequantized to dtype")
+    cpu_activations: str = Field(default="auto", pattern="^(auto|float|int8)$",
+                                 description="what the CPU multiplies packed matrices with: "
+                                             "int8 (rows rounded to 8-bit blocks, integer dot "
+                                             "products, as llama.cpp), float (the dequantized "
+                                             "model's outputs exactly), auto: int8")
     max_num_seqs: int = Field(default=32, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
     block_size: int = Field(default=16, ge=1, le=256)

@@ -1,4 +1,5 @@
-/* Paged decode attention on the CPU, reading K/V blocks where they lie in the cache.
+/* Paged attention on the CPU, reading K/V blocks where they lie in the cache: decodes, and
+ * prompt chunks computed row by row with the decodes' arithmetic (tidegate_paged_prefill_f32).
  *
  * The plain-torch path must first copy every sequence's blocks into a padded contiguous tensor
  * (an index_select as large as the attention's own reads) before SDPA can use them; on a
@@ -48,16 +49,23 @@ static inline void prefetch_block(const float *p, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
 
-int tidegate_paged_decode_f32(const float *q, const float *key_cache, const float *value_cache,
-                              const int32_t *block_tables, const int32_t *seq_lens, float *out,
-                              int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
-                              int64_t head_dim, int64_t block_size, int64_t table_width,
-                              float scale, int num_threads) {
+/* Query row b attends to the first len(b) tokens of the sequence whose blocks table row b
+ * lists: seq_lens[b] with a table per row (decodes), or first_len + b with one table for all
+ * rows (a prefill chunk: row b is the token at position first_len - 1 + b, which sees itself
+ * and everything before it). Either way a row's arithmetic depends on nothing but its query,
+ * its context and its length, so a token gets the same bits in a decode step and in a prompt
+ * chunk (8-bit activations magnify any difference between the two into different tokens). */
+static int paged_attend(const float *q, const float *key_cache, const float *value_cache,
+                        const int32_t *block_tables, int64_t table_stride,
+                        const int32_t *seq_lens, int64_t first_len, float *out, int64_t batch,
+                        int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t block_size, float scale, int num_threads) {
     const int64_t group = num_q_heads / num_kv_heads;
     const int64_t d = head_dim;
     const int64_t row = num_kv_heads * head_dim; /* floats per cached token */
-    int64_t max_len = 0;
-    for (int64_t b = 0; b < batch; ++b) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    int64_t max_len = seq_lens == NULL ? first_len + batch - 1 : 0;
+    for (int64_t b = 0; seq_lens != NULL && b < batch; ++b)
+        max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     if (num_threads < 1) num_threads = 1;
     const int64_t per_thread = num_q_heads * (max_len + d);
     float *scratch = malloc(sizeof(float) * (size_t)(per_thread * num_threads + 1));
@@ -65,11 +73,11 @@ int tidegate_paged_decode_f32(const float *q, const float *key_cache, const floa
 
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t b = 0; b < batch; ++b) {
-        const int64_t len = seq_lens[b];
+        const int64_t len = seq_lens == NULL ? first_len + b : seq_lens[b];
         float *scores = scratch + per_thread * omp_get_thread_num(); /* [Hq, len] */
         float *acc = scores + num_q_heads * max_len;                 /* [Hq, D] */
         const float *qb = q + b * num_q_heads * d;
-        const int32_t *table = block_tables + b * table_width;
+        const int32_t *table = block_tables + b * table_stride;
         float *ob = out + b * num_q_heads * d;
         if (len <= 0) {
             memset(ob, 0, sizeof(float) * (size_t)(num_q_heads * d));
@@ -130,4 +138,27 @@ int tidegate_paged_decode_f32(const float *q, const float *key_cache, const floa
     }
     free(scratch);
     return 0;
+}
+
+/* Decodes: q [B, Hq, D], one query per sequence at position seq_lens[b] - 1, block_tables
+ * [B, table_width]. Returns 0, or 1 when scratch memory cannot be had. */
+int tidegate_paged_decode_f32(const float *q, const float *key_cache, const float *value_cache,
+                              const int32_t *block_tables, const int32_t *seq_lens, float *out,
+                              int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+                              int64_t head_dim, int64_t block_size, int64_t table_width,
+                              float scale, int num_threads) {
+    return paged_attend(q, key_cache, value_cache, block_tables, table_width, seq_lens, 0, out,
+                        batch, num_q_heads, num_kv_heads, head_dim, block_size, scale,
+                        num_threads);
+}
+
+/* A prefill chunk of one sequence: q [T, Hq, D] the tokens at positions start .. start+T-1
+ * (their keys and values already stored), block_table that sequence's blocks; causal. */
+int tidegate_paged_prefill_f32(const float *q, const float *key_cache, const float *value_cache,
+                               const int32_t *block_table, int64_t start, float *out,
+                               int64_t tokens, int64_t num_q_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t block_size, float scale,
+                               int num_threads) {
+    return paged_attend(q, key_cache, value_cache, block_table, 0, NULL, start + 1, out, tokens,
+                        num_q_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
 }

@@ -391,26 +391,10 @@ static inline void lanes_store(__m512 accd, __m512 accm, float *y, const float *
     _mm512_mask_storeu_ps(y, km, v);
 }
 
-/* Bytes of a block of 32 columns of the types gathered directly. */
-static inline int64_t block_bytes(int t) {
-    return t == T_Q4_0 ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22 : t == T_Q5_1 ? 24 : 34;
-}
-
-/* Ask for the next strip's share of block b while this strip computes it. A gather reads 16
- * rows a few bytes each, a pattern the hardware prefetchers do not follow: without this, a
- * decode step's weights streamed at about a third of the read bandwidth. The strip's rows are
- * contiguous, so its bytes are requested in order, 16 block sizes per block. */
-static inline void prefetch_next(const uint8_t *next, int64_t bb, int64_t b) {
-    const uint8_t *p = next + 16 * bb * b;
-    for (int64_t off = 0; off < 16 * bb; off += 64) _mm_prefetch((const char *)(p + off), _MM_HINT_T1);
-}
-
 /* Up to DIRECT_ROWS rows of x: each block gathered into registers and used for every row. */
 static inline __attribute__((always_inline)) void strip_direct(
     int t, const uint8_t *base, __m512i idx, __mmask16 km, const uint8_t *xbuf, int64_t xrb,
     int mr, float *y, const float *add, int64_t ldy, int64_t k) {
-    const int64_t bb = block_bytes(t);
-    const uint8_t *next = base + 4 * 16 * (k / 32) * bb;
     struct q8row x[DIRECT_ROWS];
     __m512 accd[DIRECT_ROWS], accm[DIRECT_ROWS];
     for (int i = 0; i < mr; ++i) {
@@ -419,7 +403,6 @@ static inline __attribute__((always_inline)) void strip_direct(
     }
     for (int64_t b = 0; b < k / 32; ++b) {
         struct lanes L;
-        prefetch_next(next, bb, b);
         gather_block(t, base, idx, km, b, &L);
         for (int i = 0; i < mr; ++i) lanes_step(&L, 0, &x[i], b, &accd[i], &accm[i]);
     }
@@ -489,11 +472,7 @@ static int q8_linear(const struct q8_source *src, const uint8_t *xbuf, float *y,
                 continue;
             }
             if (direct) {
-                const int64_t bb = block_bytes(t);
-                for (int64_t b = 0; b < k_dim / 32; ++b) {
-                    prefetch_next(base + STRIP * src->row_bytes, bb, b);
-                    gather_block(t, base, idx, km, b, &buf[b]);
-                }
+                for (int64_t b = 0; b < k_dim / 32; ++b) gather_block(t, base, idx, km, b, &buf[b]);
             } else {
                 for (int r = 0; r < rows; ++r)
                     decode_row(src, n0 + r, k_dim, codes + r * k_dim, dm + r * steps,

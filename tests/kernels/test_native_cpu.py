@@ -203,3 +203,18 @@ def test_native_rotary_store_kv_matches_the_reference(tokens: int,
     assert got_q.data_ptr() == q.data_ptr()  # rotated where they lie
     assert torch.allclose(got_q, want_q, atol=1e-5) and torch.allclose(got_k, want_k, atol=1e-5)
     assert torch.allclose(key_cache, want_kc, atol=1e-5) and torch.equal(value_cache, want_vc)
+
+
+def test_a_prompt_chunk_attends_with_the_decodes_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row of a prompt chunk (after a cached prefix) equals the decode of that token
+    over the same cache: a token's attention does not depend on how its step was made up."""
+    monkeypatch.setenv("TIDEGATE_KERNELS", "native")
+    batch = make_batch([(50, 13)], hq=9, hk=3, d=64, block_size=16, dtype=torch.float32)
+    chunk = ops.paged_attention(batch.q, batch.key_cache, batch.value_cache, batch.meta,
+                                batch.scale)
+    assert_close(chunk, batch.expected, torch.float32)
+    table = batch.meta.block_tables[:1]
+    for i in range(13):
+        alone = native().paged_decode(batch.q[i:i + 1], batch.key_cache, batch.value_cache,
+                                      table, torch.tensor([50 - 13 + i + 1]), batch.scale)
+        assert torch.equal(alone[0], chunk[i]), i

@@ -39,8 +39,8 @@ def _settings(args: argparse.Namespace):  # -> Settings
     from tidegate.settings import load_settings
 
     fields = ("redis_url", "model", "device", "dtype", "max_num_seqs", "max_num_batched_tokens",
-              "kv_cache_gb", "kv_cache_dtype", "cuda_graphs", "weights", "host", "port",
-              "log_level")
+              "kv_cache_gb", "kv_cache_dtype", "cuda_graphs", "weights", "cpu_activations",
+              "host", "port", "log_level")
     try:
         return load_settings(**{f: getattr(args, f, None) for f in fields})
     except ValidationError as exc:
@@ -210,7 +210,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         raise CliError(f"--dtype {args.dtype!r}: float32, bfloat16, float16 or auto")
     packed = {"auto": None, "packed": True, "dequantized": False}[args.weights]
     try:
-        loaded = load_model(args.model, device=args.device, dtype=dtype, packed=packed)
+        loaded = load_model(args.model, device=args.device, dtype=dtype, packed=packed,
+                            cpu_activations=args.cpu_activations)
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
     ids = loaded.tokenizer.encode(text)
@@ -224,6 +225,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     types = loaded.packed_types()
     report = {"model": loaded.source.name, "weights": "packed " + "+".join(types) if types
               else f"{next(loaded.model.parameters()).dtype}".removeprefix("torch."),
+              "activations": loaded.activations(),
               "weight_mb": round(loaded.weight_bytes() / 1e6, 1), "ppl": result.ppl,
               "nll": result.nll, "tokens_scored": result.tokens_scored,
               "windows": result.windows, "context": result.context,
@@ -232,8 +234,9 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print(f"perplexity {result.ppl:.4f} over {result.tokens_scored} tokens "
-              f"({result.windows} windows of {result.context}; {report['weights']}, "
-              f"{report['weight_mb']} MB; {result.seconds:.1f} s)")
+              f"({result.windows} windows of {result.context}; {report['weights']}"
+              + (f", {report['activations']} activations" if report["activations"] else "")
+              + f", {report['weight_mb']} MB; {result.seconds:.1f} s)")
     return 0
 
 
@@ -296,6 +299,14 @@ def _add_common(p: argparse.ArgumentParser, *, model: bool = True, serve: bool =
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
 
 
+def _add_cpu_activations(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument("--cpu-activations", choices=["auto", "float", "int8"], default=default,
+                   help="what the CPU multiplies packed matrices with: int8 (activations "
+                        "rounded per row to 8-bit blocks, integer dot products: llama.cpp's "
+                        "numerics, 2-3x faster projections), float (float32: exactly the "
+                        "dequantized model's outputs); auto (default): int8")
+
+
 def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu (default) or cuda")
     p.add_argument("--dtype", help="auto (default: float32 on cpu, bfloat16 on cuda), float32, "
@@ -304,6 +315,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="quantized matrices (GGUF; GPTQ, AWQ, compressed-tensors directories): "
                         "kept packed and read by the kernels (auto: GGUF on the CPU, integer "
                         "checkpoints on the CPU and CUDA), or dequantized to --dtype")
+    _add_cpu_activations(p, default=None)
     p.add_argument("--max-num-seqs", type=int, help="requests batched at once (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="tokens per engine step: decodes plus prompt chunks (default 512)")
@@ -397,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=["auto", "packed", "dequantized"], default="auto",
                    help="quantized matrices packed (auto: where a kernel reads them) or "
                         "dequantized")
+    _add_cpu_activations(p, default="auto")
     p.add_argument("--json", action="store_true", help="one JSON line instead of text")
     p.add_argument("--progress", action="store_true", help="a progress bar even off a terminal")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")

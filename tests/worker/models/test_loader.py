@@ -149,7 +149,7 @@ def test_quantized_gguf_stays_packed_and_computes_its_dequantized_model(
         tmp_path: Path, kind: str) -> None:
     path = write_gguf(tiny_hf_model(tied=kind == "mixed"), tmp_path / f"{kind}.gguf",
                       **QUANTIZED[kind])
-    packed = load_model(str(path))
+    packed = load_model(str(path), cpu_activations="float")
     dequantized = load_model(str(path), packed=False)
     layer = packed.model.layers[1]
     assert isinstance(layer.qkv_proj, PackedLinear) and isinstance(layer.down_proj, PackedLinear)
@@ -189,3 +189,8 @@ def test_packed_weights_are_refused_off_the_cpu_float32_path(tmp_path: Path) -> 
     with pytest.raises(ModelLoadError, match="packed weights run on the CPU in float32"):
         load_model(str(path), dtype=torch.bfloat16, packed=True)
     assert load_model(str(path), dtype=torch.bfloat16).packed_types() == []  # auto: dequantized
+
+
+def test_an_unknown_cpu_activation_mode_is_refused_by_name() -> None:
+    with pytest.raises(ModelLoadError, match="cpu_activations must be one of auto, float, int8"):
+        load_model("random:tiny", cpu_activations="int4")

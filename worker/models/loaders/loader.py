@@ -13,6 +13,10 @@ the native kernels do not build, the matrices are dequantized to ``dtype`` as be
 A Hugging Face directory with a ``quantization_config`` (GPTQ, AWQ, compressed-tensors;
 ``quantized/``) keeps its integer matrices as ``IntWeight``s, on the CPU (native kernel,
 float32) and on CUDA (Triton); elsewhere, or with ``packed=False``, they are dequantized.
+
+On the CPU, packed matrices multiply activations rounded to 8-bit blocks (``cpu_activations``
+"int8", the default: integer dot products, as llama.cpp computes the same file) or float32 ones
+("float": exactly the dequantized model's outputs; ``kernels.q8_activations``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from worker.models.loaders.quantized.quantized_safetensors import (
     quantization_config,
 )
 from worker.models.loaders.random_weights import init_random_weights, preset_llama_config
+from worker.models.packed_modules import use_activations
 
 
 @dataclass
@@ -59,10 +64,22 @@ class LoadedModel:
         counts = Counter(name for w in self._packed() for name in w.types)
         return [name for name, _ in counts.most_common()]
 
+    def activations(self) -> str | None:
+        """What the CPU multiplies the packed matrices with ("float" or "int8"); None if
+        nothing is packed."""
+        modes = {w.activations for w in self._packed()}
+        return "+".join(sorted(modes)) or None
+
     def _packed(self) -> Iterator[PackedWeight | IntWeight]:
         for module in self.model.modules():
             if isinstance(weight := getattr(module, "weight", None), PackedWeight | IntWeight):
                 yield weight
+
+
+# What packed matrices on the CPU multiply. auto is int8: what a llama.cpp user gets from the
+# same file, 2-3x faster projections (benchmarks/results/quantized_cpu.md), a perplexity
+# within 0.1% of float's; float keeps the dequantized model's outputs exactly.
+CPU_ACTIVATIONS = ("auto", "float", "int8")
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
@@ -77,14 +94,19 @@ def load_model(
     dtype: torch.dtype | None = None,
     seed: int = 0,
     packed: bool | None = None,
+    cpu_activations: str = "auto",
 ) -> LoadedModel:
     """Load a model by spec ("smollm2", a directory, a .gguf file, "random:<preset>").
 
     ``seed`` only matters for random weights. ``packed``: keep a GGUF file's quantized
     matrices packed (None: wherever the packed kernels serve, i.e. float32 on the CPU with the
-    native kernels built; False: dequantize everything). Raises ``ModelLoadError`` naming what
-    is wrong.
+    native kernels built; False: dequantize everything). ``cpu_activations``: what packed
+    matrices on the CPU multiply, "int8" or "float" (``CPU_ACTIVATIONS``; "auto": int8).
+    Raises ``ModelLoadError`` naming what is wrong.
     """
+    if cpu_activations not in CPU_ACTIVATIONS:
+        raise ModelLoadError(f"cpu_activations must be one of {', '.join(CPU_ACTIVATIONS)}, "
+                             f"got {cpu_activations!r}")
     start = time.perf_counter()
     source = (resolve_model(spec_or_source) if isinstance(spec_or_source, str)
               else spec_or_source)
@@ -123,6 +145,8 @@ def load_model(
                 else weights)
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(f"{source.path}: {exc}") from exc
+    if torch.device(device).type == "cpu":
+        use_activations(model, "int8" if cpu_activations == "auto" else cpu_activations)
     return LoadedModel(model, config, tokenizer, source, time.perf_counter() - start)
 
 
