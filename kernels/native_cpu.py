@@ -33,7 +33,8 @@ log = logging.getLogger("tidegate.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_decode_cpu.c", CSRC / "linear_cpu.c",  # one shared object
-           CSRC / "packed_linear_cpu.c", CSRC / "q8_linear_cpu.c", CSRC / "elementwise_cpu.c")
+           CSRC / "packed_linear_cpu.c", CSRC / "q8_linear_cpu.c", CSRC / "elementwise_cpu.c",
+           CSRC / "decode_layer_cpu.c")
 # fast-math's parts let the compiler vectorize the reductions (the kernel never sees inf or
 # NaN by construction: its exp clamps, its max starts from a real score). Not -ffast-math
 # itself: with it, GCC links crtfastmath.o into the shared object, whose loading turns on
@@ -156,6 +157,17 @@ class NativeCpuKernels:
                        + [ctypes.c_int64] * 4 + [ctypes.c_int])
         fn.restype = None
         self._rotary_store_kv = fn
+        fn = self.lib.tidegate_decode_layer_q8
+        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
+        # (layer struct, step struct, key cache, value cache, hidden, residual or None, out,
+        # out residual, threads): kernels.decode_layer builds the structs and checks operands.
+        self.decode_layer = fn
+        fn = self.lib.tidegate_silu_mul_f32
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2 + [
+            ctypes.c_int]
+        fn.restype = None
+        self._silu_mul = fn
         fn = self.lib.tidegate_quantize_rows_q8
         fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
         fn.restype = None
@@ -289,6 +301,16 @@ class NativeCpuKernels:
                            torch.get_num_threads())
         return out, new_res
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``kernels.activation.silu_and_mul_ref`` for 2-D float32 CPU rows (see
+        ``silu_and_mul_applies``)."""
+        m, two_i = x.shape
+        out = torch.empty(m, two_i // 2)
+        if m:
+            self._silu_mul(x.data_ptr(), x.stride(0), out.data_ptr(), m, two_i // 2,
+                           torch.get_num_threads())
+        return out
+
     def rotary_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         positions: torch.Tensor, cache: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -421,6 +443,12 @@ def rms_norm_applies(x: torch.Tensor, weight: torch.Tensor,
             and (residual is None or (residual.dtype == torch.float32
                                       and residual.shape == x.shape and residual.stride(1) == 1))
             and native_kernels() is not None)
+
+
+def silu_and_mul_applies(x: torch.Tensor) -> bool:
+    """Whether the native SwiGLU serves x [T, 2I]: float32 CPU rows with unit column stride."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+            and x.shape[1] % 2 == 0 and x.stride(1) == 1 and native_kernels() is not None)
 
 
 def rotary_store_kv_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

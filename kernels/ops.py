@@ -12,18 +12,32 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul_ref
+from kernels.decode_layer import DecodeLayerCall, DecoderWeights
 from kernels.dispatch import SERVE_ROWS, use_triton
 from kernels.int_weight import IntWeight
 from kernels.linear import linear as linear_impl
-from kernels.native_cpu import native_kernels, rms_norm_applies, rotary_store_kv_applies
+from kernels.native_cpu import (
+    native_kernels,
+    rms_norm_applies,
+    rotary_store_kv_applies,
+    silu_and_mul_applies,
+)
 from kernels.packed_weight import PackedWeight
-from kernels.paged_attention import PagedAttentionMetadata, paged_decode_attention, store_kv_ref
+from kernels.paged_attention import (
+    PagedAttentionMetadata,
+    PagedDecode,
+    paged_decode_attention,
+    store_kv_ref,
+)
 from kernels.paged_attention import paged_attention as paged_attention_cpu
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import rotary_ref
 
-__all__ = ["embedding", "fuses_projections", "linear", "norm_linear", "paged_attention",
-           "paged_decode", "rms_norm", "rotary", "rotary_store_kv", "silu_and_mul", "store_kv"]
+__all__ = ["decode_layer", "embedding", "fuses_projections", "linear", "norm_linear",
+           "paged_attention", "paged_decode", "rms_norm", "rotary", "rotary_store_kv",
+           "silu_and_mul", "store_kv"]
+
+_decode_layer_call: DecodeLayerCall | None = None
 
 
 def fuses_projections(x: torch.Tensor) -> bool:
@@ -66,6 +80,22 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         return skinny_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)
     out = linear(rms_norm(x, norm_weight, eps)[0], weight)
     return silu_and_mul(out) if silu else out
+
+
+def decode_layer(hidden: torch.Tensor, residual: torch.Tensor | None, weights: DecoderWeights,
+                 positions: torch.Tensor, rope_cache: torch.Tensor, decode: PagedDecode
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A whole decoder layer of a decode step in one native call: (hidden, residual) after
+    it, the op-by-op path's bits. None where that call does not serve (it needs the CPU's
+    native kernels and every projection on 8-bit activations): the caller goes op by op."""
+    global _decode_layer_call
+    if hidden.device.type != "cpu" or (native := native_kernels()) is None:
+        return None
+    if _decode_layer_call is None or _decode_layer_call.native is not native:
+        _decode_layer_call = DecodeLayerCall(native)
+    if not _decode_layer_call.applies(hidden, weights, decode):
+        return None
+    return _decode_layer_call(hidden, residual, weights, positions, rope_cache, decode)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
@@ -125,6 +155,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from kernels.activation_triton import silu_and_mul_triton
 
         return silu_and_mul_triton(x)
+    if silu_and_mul_applies(x):
+        return native_kernels().silu_and_mul(x)  # type: ignore[union-attr]
     return silu_and_mul_ref(x)
 
 

@@ -91,6 +91,17 @@ class PagedAttentionMetadata:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class PagedDecode:
+    """A decode-only step (one query token per sequence) over one layer's paged cache: what a
+    whole-layer kernel needs besides the layer's weights (``kernels.decode_layer``)."""
+
+    key_cache: torch.Tensor  # [num_blocks, block_size, Hk, D]
+    value_cache: torch.Tensor
+    meta: PagedAttentionMetadata  # num_decodes == number of sequences
+    scale: float
+
+
 def upload(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A tensor of host values on ``device``. On a GPU it goes up from pinned memory without
     blocking: a plain copy would wait for every step already queued, and a step queued ahead

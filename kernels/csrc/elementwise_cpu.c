@@ -1,5 +1,6 @@
 /* The per-layer elementwise steps of a CPU forward pass, each one call instead of a dozen
- * tensor ops: RMSNorm with its residual add, and rotary embedding with the KV-cache store.
+ * tensor ops: RMSNorm with its residual add, rotary embedding with the KV-cache store, and
+ * SwiGLU's silu(gate) * up.
  *
  * At a decode step of a small model the tensor ops around the projections cost more than the
  * projections' arithmetic: RMSNorm is ten of them (add, cast, pow, mean, rsqrt, mul ...) and
@@ -12,6 +13,8 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "exp_poly.h"
 
 /* out[r] = normed(x[r] + res[r]) * w, new_res[r] = x[r] + res[r] (res may be NULL: then
  * new_res is not written). Rows of h floats with row strides ldx / ldr; out and new_res are
@@ -66,6 +69,22 @@ void tidegate_rotary_store_kv_f32(float *q, int64_t ldq, float *k, int64_t ldk, 
                 memcpy(kc + head * d, k + i * ldk + head * d, (size_t)d * 4);
                 memcpy(vc + head * d, v + i * ldv + head * d, (size_t)d * 4);
             }
+        }
+    }
+}
+
+/* SwiGLU: out[r, j] = silu(x[r, j]) * x[r, i + j] for rows x [m, 2i] (gate, then up; row
+ * stride ldx), out [m, i] contiguous. silu(g) = g / (1 + exp(-g)). */
+void tidegate_silu_mul_f32(const float *x, int64_t ldx, float *out, int64_t m, int64_t i,
+                           int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m >= 64)
+    for (int64_t r = 0; r < m; ++r) {
+        const float *g = x + r * ldx, *u = g + i;
+        float *o = out + r * i;
+        for (int64_t j = 0; j < i; ++j) {
+            /* exp(-g) clamped to exp(+-87): silu is g or 0 to float precision long before */
+            const float e = -g[j] < -87.0f ? -87.0f : -g[j] > 87.0f ? 87.0f : -g[j];
+            o[j] = g[j] / (1.0f + exp_poly(e)) * u[j];
         }
     }
 }

@@ -23,25 +23,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* exp(x) for x <= 0 by range reduction and a degree-6 polynomial (relative error ~2e-7),
- * written so the compiler vectorizes it inside `omp simd` loops (libm's expf is scalar). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float log2e = 1.44269504088896341f;
-    float n = __builtin_roundf(x * log2e);
-    float r = x - n * 0.693145751953125f; /* ln2 split in two for an exact reduction */
-    r = r - n * 1.428606765330187e-06f;
-    float p = 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { int32_t i; float f; } scale;
-    scale.i = ((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
+#include "exp_poly.h"
+
+/* exp(x) for x <= 0 (softmax: a score minus the row's maximum). */
+static inline float exp_nonpositive(float x) { return exp_poly(x < -87.0f ? -87.0f : x); }
 
 /* Ask for the next block while this one is computed: blocks lie anywhere in the cache, so
  * the hardware prefetcher cannot guess where the next one starts. */

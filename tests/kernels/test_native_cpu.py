@@ -205,6 +205,22 @@ def test_native_rotary_store_kv_matches_the_reference(tokens: int,
     assert torch.allclose(key_cache, want_kc, atol=1e-5) and torch.equal(value_cache, want_vc)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 70])
+def test_native_silu_and_mul_matches_the_reference(rows: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDEGATE_KERNELS", "native")
+    from kernels.activation import silu_and_mul_ref
+
+    wide = torch.randn(rows, 3100) * 6
+    x = wide[:, 10:3082]  # a strided view: gate then up, 1536 each
+    x[0, 0], x[0, 1] = -200.0, 200.0  # saturated: silu -> 0 and x
+    assert native_cpu.silu_and_mul_applies(x)
+    got = ops.silu_and_mul(x)
+    torch.testing.assert_close(got, silu_and_mul_ref(x), rtol=2e-6, atol=1e-6)
+    alone = torch.cat([ops.silu_and_mul(x[i:i + 1]) for i in range(rows)])
+    assert torch.equal(alone, got)  # per row, whatever the batch
+
+
 def test_a_prompt_chunk_attends_with_the_decodes_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every row of a prompt chunk (after a cached prefix) equals the decode of that token
     over the same cache: a token's attention does not depend on how its step was made up."""

@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
+from kernels.decode_layer import DecoderWeights
 from kernels.int_weight import IntWeight
 from kernels.packed_weight import PackedWeight
+from kernels.paged_attention import PagedDecode
 from kernels.rotary import Llama3Scaling, cos_sin_cache
 from worker.models.packed_modules import PackedEmbedding, PackedLinear
 
@@ -64,6 +66,11 @@ class AttentionBackend(Protocol):
         positions [T] -> attention output [T, Hq, D]."""
         ...
 
+    def decode_only(self, layer: int) -> PagedDecode | None:
+        """Layer ``layer``'s paged cache when this step is decodes only (one token per
+        sequence), so a whole-layer kernel may run the layer; else None."""
+        ...
+
 
 class CausalAttention:
     """One sequence, no cache: plain causal attention over the whole input (tests, scoring)."""
@@ -79,6 +86,9 @@ class CausalAttention:
             is_causal=True, enable_gqa=True,
         )
         return out[0].transpose(0, 1)
+
+    def decode_only(self, layer: int) -> PagedDecode | None:
+        return None
 
 
 class DecoderLayer(nn.Module):
@@ -108,10 +118,16 @@ class DecoderLayer(nn.Module):
 
         Few rows on a GPU (``ops.fuses_projections``): every projection is a weight stream, so
         each norm goes into the projection after it and each residual add into the one before
-        it; ``hidden`` then is the whole stream and ``residual`` stays None. Otherwise the
-        residual add goes into the RMSNorm kernel and the projections are plain GEMMs."""
+        it; ``hidden`` then is the whole stream and ``residual`` stays None. A decode step on
+        the CPU with 8-bit activations runs the whole layer in one native call
+        (``ops.decode_layer``). Otherwise the residual add goes into the RMSNorm kernel and the
+        projections are plain GEMMs."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
+        decode = attn.decode_only(layer)
+        if decode is not None and (done := ops.decode_layer(
+                hidden, residual, self.weights(), positions, rope_cache, decode)) is not None:
+            return done
         if residual is None and ops.fuses_projections(hidden):
             qkv = ops.norm_linear(hidden, self.input_norm, eps, self.qkv_proj.weight)
             out = self._attention(qkv, positions, rope_cache, attn, layer)
@@ -126,6 +142,14 @@ class DecoderLayer(nn.Module):
         x, residual = ops.rms_norm(hidden, self.post_attn_norm, eps, residual)
         gate_up = ops.linear(x, self.gate_up_proj.weight)
         return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight), residual
+
+    def weights(self) -> DecoderWeights:
+        """The layer's parameters, as a whole-layer kernel reads them."""
+        cfg = self.cfg
+        return DecoderWeights(self.input_norm, self.post_attn_norm, self.qkv_proj.weight,
+                              self.o_proj.weight, self.gate_up_proj.weight,
+                              self.down_proj.weight, cfg.num_heads, cfg.num_kv_heads,
+                              cfg.head_dim, cfg.rms_norm_eps)
 
     def _attention(self, qkv: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
                    attn: AttentionBackend, layer: int) -> torch.Tensor:
