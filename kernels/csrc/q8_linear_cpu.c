@@ -34,11 +34,15 @@
  *   no horizontal sums. Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 are gathered straight from their blocks; at
  *   up to DIRECT_ROWS rows of x a block is used from registers, at more it is decoded once
  *   per strip into a buffer. Other formats are decoded per row into codes first.
+ *   With AMX (Sapphire Rapids and later), 16 rows of x at a time take a block's integer sums
+ *   from one tile instruction (tdpbsud: 16 x 16 outputs of 32 products each; the lanes'
+ *   codes are already its second operand's layout), then the same float steps.
  * * AVX2 and portable C: rows decoded into codes, then one dot product per (row, step)
  *   (AVX2: 16-bit products summed by vpmaddwd; else plain C).
- * TIDEGATE_NO_AVX512 or TIDEGATE_PORTABLE (compile definitions) force the slower paths, so the
- * tests check them on a machine that has AVX-512.
+ * TIDEGATE_NO_AMX, TIDEGATE_NO_AVX512 or TIDEGATE_PORTABLE (compile definitions) force the
+ * slower paths, so the tests check them on a machine that has AMX.
  */
+#define _GNU_SOURCE /* syscall(), to ask Linux for the AMX tile state */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -51,6 +55,12 @@
     defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q8_LANES 1
 #include <immintrin.h>
+#if !defined(TIDEGATE_NO_AMX) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
+    defined(__linux__)
+#define Q8_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #elif !defined(TIDEGATE_PORTABLE) && defined(__AVX2__)
 #define Q8_AVX2 1
 #include <immintrin.h>
@@ -59,9 +69,16 @@
 #define STRIP 16      /* weight rows per strip: one per 32-bit lane of an AVX-512 vector */
 #define DIRECT_ROWS 4 /* rows of x up to which a block's codes are used straight from registers */
 
-/* Which path this build computes with: 2 AVX512-VNNI, 1 AVX2, 0 portable C. */
+#if defined(Q8_AMX)
+static int amx_ready(void);
+#endif
+
+/* Which path this build computes with: 3 AVX512-VNNI with AMX tiles for 16 rows of x and
+ * more, 2 AVX512-VNNI, 1 AVX2, 0 portable C. */
 int tidegate_q8_path(void) {
-#if defined(Q8_LANES)
+#if defined(Q8_AMX)
+    return amx_ready() ? 3 : 2;
+#elif defined(Q8_LANES)
     return 2;
 #elif defined(Q8_AVX2)
     return 1;
@@ -364,12 +381,19 @@ static inline __m512i bcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-/* The float steps of block b for one row of x (the arithmetic in the header comment). */
+/* One step's float arithmetic for 16 outputs (the header comment's): i its integer sums. */
+static inline __attribute__((always_inline)) void float_step(__m512i i, __m512 d, __m512 m,
+                                                             float dx, float xs, __m512 *accd,
+                                                             __m512 *accm) {
+    *accd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(d, _mm512_set1_ps(dx)), *accd);
+    *accm = _mm512_fmadd_ps(m, _mm512_set1_ps(xs), *accm);
+}
+
+/* The steps of block b for one row of x. */
 static inline __attribute__((always_inline)) void lanes_step(const struct lanes *L, int half,
                                                              const struct q8row *x, int64_t b,
                                                              __m512 *accd, __m512 *accm) {
     const int8_t *xq = x->q + 32 * b;
-    const __m512 dx = _mm512_set1_ps(x->dx[b]);
     for (int h = 0; h < 2; h += half ? 1 : 2) {
         const int u0 = half ? 4 * h : 0, u1 = half ? u0 + 4 : 8;
         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -377,10 +401,8 @@ static inline __attribute__((always_inline)) void lanes_step(const struct lanes 
             s0 = _mm512_dpbusd_epi32(s0, L->q[u], bcast4(xq + 4 * u));
             s1 = _mm512_dpbusd_epi32(s1, L->q[u + 1], bcast4(xq + 4 * u + 4));
         }
-        const __m512 i = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-        *accd = _mm512_fmadd_ps(i, _mm512_mul_ps(L->d[h], dx), *accd);
-        const float xs = half ? x->xs16[2 * b + h] : x->xs32[b];
-        *accm = _mm512_fmadd_ps(L->m[h], _mm512_set1_ps(xs), *accm);
+        float_step(_mm512_add_epi32(s0, s1), L->d[h], L->m[h], x->dx[b],
+                   half ? x->xs16[2 * b + h] : x->xs32[b], accd, accm);
     }
 }
 
@@ -430,9 +452,83 @@ static void strip_buffered(const struct lanes *buf, int half, __mmask16 km, cons
     }
 }
 
+#if defined(Q8_AMX)
+/* Linux lends the AMX tile state to a process that asks (once, for all its threads). */
+static int amx_ready(void) {
+    static volatile int state = 0; /* 0 not asked yet, 1 granted, -1 refused */
+    if (state == 0)
+        state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                        18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+    return state > 0;
+}
+
+/* Tiles: 0-3 a block's 16 x 16 sums each, 4-5 16 rows of x's block (32 bytes), 6-7 the
+ * strip's codes of a block (8 rows of 16 lanes x 4 bytes: struct lanes' q). */
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((aligned(64))) cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = t == 4 || t == 5 ? 32 : 64;
+        cfg.rows[t] = t >= 6 ? 8 : 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Block b0 + j's sums for 16 rows of x (xq, stride xrb) into sums[j]: [row of x][lane]. */
+#define AMX_BLOCK(j, a, bt)                                                                    \
+    do {                                                                                       \
+        _tile_loadd(a, xq + 32 * (b0 + j), xrb);                                               \
+        _tile_loadd(bt, buf[b0 + j].q, 64);                                                    \
+        _tile_zero(j);                                                                         \
+        _tile_dpbsud(j, a, bt);                                                                \
+        _tile_stored(j, sums[j], 64);                                                          \
+    } while (0)
+
+/* Rows m0 .. m0+15 of x against a strip whose blocks are in buf (steps of 32 columns). */
+static void strip_amx16(const struct lanes *buf, __mmask16 km, const uint8_t *xbuf, int64_t xrb,
+                        int64_t m0, float *y, const float *add, int64_t ldy, int64_t k) {
+    int32_t sums[4][16][16] __attribute__((aligned(64)));
+    __m512 accd[16], accm[16];
+    struct q8row x[16];
+    const int64_t blocks = k / 32;
+    const uint8_t *xq = xbuf + m0 * xrb;
+    for (int i = 0; i < 16; ++i) {
+        x[i] = q8_row(xbuf + (m0 + i) * xrb, k);
+        accd[i] = accm[i] = _mm512_setzero_ps();
+    }
+    for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
+        const int nb = blocks - b0 < 4 ? (int)(blocks - b0) : 4;
+        AMX_BLOCK(0, 4, 6);
+        if (nb > 1) AMX_BLOCK(1, 5, 7);
+        if (nb > 2) AMX_BLOCK(2, 4, 6);
+        if (nb > 3) AMX_BLOCK(3, 5, 7);
+        for (int i = 0; i < 16; ++i)
+            for (int j = 0; j < nb; ++j) {
+                const struct lanes *L = &buf[b0 + j];
+                float_step(_mm512_load_si512(sums[j][i]), L->d[0], L->m[0], x[i].dx[b0 + j],
+                           x[i].xs32[b0 + j], &accd[i], &accm[i]);
+            }
+    }
+    for (int i = 0; i < 16; ++i)
+        lanes_store(accd[i], accm[i], y + (m0 + i) * ldy,
+                    add == NULL ? NULL : add + (m0 + i) * ldy, km);
+}
+#endif
+
 static int q8_linear(const struct q8_source *src, const uint8_t *xbuf, float *y, const float *add,
                      int64_t m_dim, int64_t n_dim, int64_t k_dim, int64_t ldy, int num_threads) {
     const int64_t strips = (n_dim + STRIP - 1) / STRIP, xrb = tidegate_q8_row_bytes(k_dim);
+#if defined(Q8_AMX)
+    /* 16 rows of x at a time through tiles, the rest (and steps of 16) through vpdpbusd */
+    const int64_t amx_rows = !src->half && m_dim >= 16 && amx_ready() ? m_dim / 16 * 16 : 0;
+#else
+    const int64_t amx_rows = 0;
+#endif
     const int t = src->ggml_type, direct = gathers_direct(t);
     const int64_t steps = src->half ? k_dim / 16 : k_dim / 32;
     int failed = 0;
@@ -453,6 +549,9 @@ static int q8_linear(const struct q8_source *src, const uint8_t *xbuf, float *y,
                  (!direct && (codes == NULL || dm == NULL));
         const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)src->row_bytes));
+#if defined(Q8_AMX)
+        if (amx_rows) amx_configure();
+#endif
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < strips; ++s) {
             if (failed) continue;
@@ -480,8 +579,17 @@ static int q8_linear(const struct q8_source *src, const uint8_t *xbuf, float *y,
                 for (int64_t b = 0; b < k_dim / 32; ++b)
                     gather_decoded(codes, dm, dm + STRIP * steps, k_dim, src->half, km, b, &buf[b]);
             }
-            strip_buffered(buf, src->half, km, xbuf, xrb, m_dim, y + n0, a, ldy, k_dim);
+#if defined(Q8_AMX)
+            for (int64_t m0 = 0; m0 < amx_rows; m0 += 16)
+                strip_amx16(buf, km, xbuf, xrb, m0, y + n0, a, ldy, k_dim);
+#endif
+            strip_buffered(buf, src->half, km, xbuf + amx_rows * xrb, xrb, m_dim - amx_rows,
+                           y + n0 + amx_rows * ldy, a == NULL ? NULL : a + amx_rows * ldy, ldy,
+                           k_dim);
         }
+#if defined(Q8_AMX)
+        if (amx_rows) _tile_release();
+#endif
         free(buf);
         free(codes);
         free(dm);

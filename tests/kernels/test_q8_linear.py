@@ -2,7 +2,7 @@
 per row to 8-bit blocks as ``kernels.q8_activations`` defines it, then the dequantized matrix's
 product in float64. Fresh random inputs each run; every quantized GGUF type and integer layout;
 partial strips of 16 weight rows; 1 to 64 rows of x; with and without the residual add; each of
-the three compiled paths (AVX512-VNNI where the CPU has it, AVX2, portable C)."""
+the compiled paths (AMX and AVX512-VNNI where the CPU has them, AVX2, portable C)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from tests.kernels.test_packed_linear import cols_for, random_packed
 
 T = GGMLQuantizationType
 TYPES = sorted(Q8_TYPES, key=int)
-PATHS = {"native": (), "avx2": ("TIDEGATE_NO_AVX512",), "portable": ("TIDEGATE_PORTABLE",)}
+PATHS = {"native": (), "vnni": ("TIDEGATE_NO_AMX",), "avx2": ("TIDEGATE_NO_AVX512",),
+         "portable": ("TIDEGATE_PORTABLE",)}
 
 
 @pytest.fixture(scope="module", params=list(PATHS))
@@ -33,7 +34,8 @@ def q8(request: pytest.FixtureRequest, native: NativeCpuKernels) -> NativeCpuKer
         lib = NativeCpuKernels(build(defines=PATHS[request.param]))
     except NativeBuildError as exc:  # e.g. AVX2 intrinsics on a CPU without them
         pytest.skip(f"{request.param} path does not build here: {exc}")
-    assert lib.q8_path == {"avx2": 1, "portable": 0}[request.param] or request.param == "avx2"
+    assert lib.q8_path == {"vnni": min(native.q8_path, 2), "avx2": 1, "portable": 0}[
+        request.param] or request.param == "avx2"  # (an AVX2 build without AVX2: portable)
     return lib
 
 
@@ -113,8 +115,9 @@ def test_act_order_rounds_x_in_its_stored_order(q8: NativeCpuKernels) -> None:
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_a_rows_result_does_not_depend_on_the_batch(q8: NativeCpuKernels, qtype: T) -> None:
-    """Up to 4 rows use a block from registers, more go through a decoded strip: a row gets the
-    same bits either way (the engine's outputs may not depend on who shared a step)."""
+    """Up to 4 rows use a block from registers, more go through a decoded strip (16 at a time
+    through AMX tiles where the CPU has them): a row gets the same bits either way (the
+    engine's outputs may not depend on who shared a step)."""
     rng = np.random.default_rng()
     cols = cols_for(qtype)[-1]
     weight = random_packed(qtype, 45, cols, rng).with_activations("int8")
@@ -128,12 +131,13 @@ def test_a_rows_result_does_not_depend_on_the_batch(q8: NativeCpuKernels, qtype:
 
 def test_every_path_computes_the_same_bits(native: NativeCpuKernels,
                                            q8: NativeCpuKernels) -> None:
-    """The arithmetic is defined step by step (csrc/q8_linear_cpu.c), so the AVX-512, AVX2
-    and portable paths agree exactly, not just closely."""
+    """The arithmetic is defined step by step (csrc/q8_linear_cpu.c), so the AMX, AVX-512, AVX2
+    and portable paths agree exactly, not just closely (37 rows: AMX's 16 at a time, the
+    rest by vpdpbusd)."""
     rng = np.random.default_rng()
     for qtype in TYPES:
         weight = random_packed(qtype, 21, cols_for(qtype)[-1], rng).with_activations("int8")
-        x = torch.from_numpy(rng.standard_normal((6, weight.shape[1])).astype(np.float32))
+        x = torch.from_numpy(rng.standard_normal((37, weight.shape[1])).astype(np.float32))
         assert torch.equal(q8.packed_linear(x, weight), native.packed_linear(x, weight)), qtype
     w = IntWeight.quantize(torch.randn(19, 256), 4, 16, symmetric=False).with_activations("int8")
     x = torch.randn(5, 256)
