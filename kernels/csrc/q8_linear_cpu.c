@@ -118,11 +118,15 @@ void tidegate_quantize_row_q8(const float *x, int64_t k, uint8_t *rec) {
         const float d = dv;
         volatile float idv = d > 0.0f ? 1.0f / d : 0.0f;
         const float id = idv;
-        int32_t s[2] = {0, 0};
-        for (int i = 0; i < 32; ++i) {
-            const int32_t v = (int32_t)nearbyintf(xb[i] * id);
-            q[32 * b + i] = (int8_t)v;
-            s[i / 16] += v;
+        int32_t s[2];
+        for (int h = 0; h < 2; ++h) { /* halves of 16: one vector each, their sums exact */
+            int32_t sum = 0;
+            for (int i = 16 * h; i < 16 * h + 16; ++i) {
+                const int32_t v = (int32_t)nearbyintf(xb[i] * id);
+                q[32 * b + i] = (int8_t)v;
+                sum += v;
+            }
+            s[h] = sum;
         }
         dx[b] = d;
         xs16[2 * b] = d * (float)s[0];
