@@ -14,7 +14,9 @@ Workloads (greedy; ``ignore_eos`` on tidegate's side, llama.cpp's generator neve
 Rounds alternate the runs (the host's speed drifts); each run's median round is reported.
 Once per invocation: the greedy tokens of 8 chat prompts x 48 tokens, 8-bit activations against
 the float32 engine (first divergence per prompt, ``tests/worker/engine/test_packed_engine.py``'s
-set), and ``tidegate eval-ppl`` on --ppl-text in both activation modes (--no-ppl skips it).
+set), ``tidegate eval-ppl`` on --ppl-text in both activation modes (--no-ppl skips it), and
+where a decode step's time goes at batch 32 and longer contexts (--no-attention skips it): the
+step, and the paged attention kernel alone over the same cache, with float32 and int8 KV.
 
 Usage:  python benchmarks/quantized_cpu.py [--threads 2] [--repeats 3] [--no-mixed] [--no-ppl]
             [--out benchmarks/results/quantized_cpu.json] [--plot benchmarks/results/quantized_cpu.png]
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -137,6 +140,49 @@ def eval_ppl(text: str, activations: str, threads: int) -> dict[str, object]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def decode_attention(loaded: LoadedModel, context: int, kv: str, batch: int = 32,
+                     steps: int = 8) -> dict[str, float]:
+    """Decode steps of ``batch`` sequences with ``context``-token prompts (random tokens):
+    the median step, and the paged attention kernel alone over every layer of the same cache
+    and tables (the part of the step an 8-bit cache shrinks)."""
+    from kernels.native_cpu import native_kernels
+    from kernels.paged_attention import PagedAttentionMetadata
+
+    rng = random.Random(context)
+    cfg = loaded.config
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
+        max_model_len=context + steps + 8, max_num_seqs=batch, max_num_batched_tokens=2048,
+        num_blocks=batch * (-(-(context + steps + 8) // 16)) + 1, kv_cache_dtype=kv))
+    for i in range(batch):
+        engine.add_request(EngineRequest(str(i), [rng.randrange(100, cfg.vocab_size - 100)
+                                                  for _ in range(context)],
+                                         SamplingParams(max_tokens=steps + 4, ignore_eos=True)))
+    while engine.num_waiting or any(len(s.output_ids) == 0 for s in engine.scheduler.running):
+        engine.step()  # prompts, until every sequence decodes
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(1000 * (time.perf_counter() - start))
+    seqs = engine.scheduler.running
+    tables = [engine.blocks.block_table(s.request_id) for s in seqs]  # as the kernel sees them
+    lens = [s.num_computed for s in seqs]
+    meta = PagedAttentionMetadata.build(tables, lens, [1] * len(seqs), [0] * len(seqs))
+    native = native_kernels()
+    assert native is not None
+    q = torch.randn(len(seqs), cfg.num_heads, cfg.head_dim)
+    cache = engine.runner.kv_cache
+    attention = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for layer in range(cfg.num_layers):
+            native.paged_decode(q, cache[layer, 0], cache[layer, 1], meta.block_tables,
+                                meta.seq_lens, cfg.head_dim ** -0.5)
+        attention.append(1000 * (time.perf_counter() - start))
+    return {"step_ms": round(statistics.median(times), 2),
+            "attention_ms": round(statistics.median(attention), 2)}
+
+
 def prompt_set_agreement(int8: LoadedModel, dequantized: LoadedModel) -> dict[str, int | None]:
     """First output position where the 8-bit engine's greedy tokens part from the float32
     engine's, per prompt (None: the same 48 tokens)."""
@@ -151,6 +197,8 @@ def main() -> None:
     ap.add_argument("--no-mixed", action="store_true", help="batch1 only")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--no-ppl", action="store_true", help="skip eval-ppl in both modes")
+    ap.add_argument("--no-attention", action="store_true",
+                    help="skip the batch-32 decode steps at long contexts")
     ap.add_argument("--ppl-text", default=PPL_TEXT)
     ap.add_argument("--out", default="benchmarks/results/quantized_cpu.json")
     ap.add_argument("--plot", default="benchmarks/results/quantized_cpu.png")
@@ -188,9 +236,12 @@ def main() -> None:
         got["b1 tidegate float32"] = tidegate_batch1("tidegate, dequantized float32",
                                                      dequantized, prompt)
         if not args.no_mixed:
-            for key, loaded in (("packed int8", packed), ("packed float", exact),
-                                ("float32", dequantized)):
-                got[f"mixed tidegate {key}"] = run_tidegate(f"mixed tidegate {key}", loaded, mixed)
+            for key, loaded, kv in (("packed int8, int8 KV", packed, "int8"),
+                                    ("packed int8", packed, "auto"),
+                                    ("packed float", exact, "auto"),
+                                    ("float32", dequantized, "auto")):
+                got[f"mixed tidegate {key}"] = run_tidegate(f"mixed tidegate {key}", loaded, mixed,
+                                                            kv_cache_dtype=kv)
         rounds.append(got)
         print(f"round {r + 1}: " + ", ".join(
             f"{k} {v.decode_ms_mean:.2f} ms/tok" if isinstance(v, Batch1)
@@ -233,6 +284,9 @@ def main() -> None:
            if "b1 llama.cpp" in b1 else {}),
     }
     report["prompt_set_int8_vs_float32"] = prompt_set_agreement(packed, dequantized)
+    if not args.no_attention:
+        report["decode_batch32"] = {f"context {ctx}, {kv} KV": decode_attention(packed, ctx, kv)
+                                    for ctx in (512, 1024, 2048) for kv in ("auto", "int8")}
     if not args.no_ppl:
         report["eval_ppl"] = {mode: eval_ppl(args.ppl_text, mode, args.threads)
                               for mode in ("float", "int8")}

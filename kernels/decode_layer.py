@@ -22,7 +22,7 @@ import torch
 from kernels.int_weight import IntWeight
 from kernels.native_cpu import NativeCpuKernels
 from kernels.packed_weight import PackedWeight
-from kernels.paged_attention import PagedDecode
+from kernels.paged_attention import PagedDecode, kv_int8
 
 # Layer structs kept (each holds its weights alive): a few models' worth.
 MAX_LAYERS = 1024
@@ -64,7 +64,8 @@ class _Layer(ctypes.Structure):
 
 class _Batch(ctypes.Structure):
     _fields_ = [("rows", ctypes.c_int64), ("block_size", ctypes.c_int64),
-                ("table_width", ctypes.c_int64), ("positions", ctypes.c_void_p),
+                ("table_width", ctypes.c_int64), ("kv_int8", ctypes.c_int64),
+                ("positions", ctypes.c_void_p),
                 ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p),
                 ("seq_lens", ctypes.c_void_p), ("rope", ctypes.c_void_p)]
 
@@ -99,8 +100,8 @@ class DecodeLayerCall:
         return (hidden.device.type == "cpu" and hidden.dtype == torch.float32
                 and hidden.dim() == 2 and hidden.is_contiguous()
                 and all(takes_int8(w) for w in weights.projections())
-                and decode.key_cache.dtype == torch.float32 and decode.key_cache.is_contiguous()
-                and decode.value_cache.is_contiguous())
+                and decode.key_cache.dtype in (torch.float32, torch.int8)
+                and decode.key_cache.is_contiguous() and decode.value_cache.is_contiguous())
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                  weights: DecoderWeights, positions: torch.Tensor, rope_cache: torch.Tensor,
@@ -154,6 +155,6 @@ class DecodeLayerCall:
             raise ValueError(f"a decode step of {rows} rows needs one position and one block "
                              "table row per row")
         struct = _Batch(rows, decode.key_cache.shape[1], held[2].shape[1],
-                        *(t.data_ptr() for t in held))
+                        int(kv_int8(decode.key_cache)), *(t.data_ptr() for t in held))
         self._step = (meta, positions, rope_cache, struct, held)
         return struct

@@ -120,12 +120,13 @@ class NativeCpuKernels:
         # library binds to: one thread pool for torch and these kernels.
         self.lib = ctypes.CDLL(str(path))
         fn = self.lib.tidegate_paged_decode_f32
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
+                       + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
         fn.restype = ctypes.c_int
         self._paged_decode = fn
         fn = self.lib.tidegate_paged_prefill_f32
         fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
-                       + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int])
+                       + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
         fn.restype = ctypes.c_int
         self._paged_prefill = fn
         fn = self.lib.tidegate_skinny_linear_f32
@@ -154,7 +155,7 @@ class NativeCpuKernels:
         self._rms_norm = fn
         fn = self.lib.tidegate_rotary_store_kv_f32
         fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5
-                       + [ctypes.c_int64] * 4 + [ctypes.c_int])
+                       + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2)
         fn.restype = None
         self._rotary_store_kv = fn
         fn = self.lib.tidegate_decode_layer_q8
@@ -325,33 +326,29 @@ class NativeCpuKernels:
             self._rotary_store_kv(
                 q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                 positions.data_ptr(), cache.data_ptr(), key_cache.data_ptr(),
-                value_cache.data_ptr(), slots.data_ptr(), t, hq, hk, d, torch.get_num_threads())
+                value_cache.data_ptr(), slots.data_ptr(), t, hq, hk, d,
+                int(key_cache.dtype == torch.int8), torch.get_num_threads())
         return q, k
 
     def paged_decode(
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     ) -> torch.Tensor:
-        """Decode attention over the paged cache -> [B, Hq, D]; see the C source for layouts."""
+        """Decode attention over the paged cache -> [B, Hq, D]; see the C source for layouts
+        (float32 caches, or int8 ones of 8-bit heads: ``kernels.paged_attention.kv_int8``)."""
         b, hq, d = q.shape
-        _, block_size, hk, dk = key_cache.shape
-        for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
-            if t.dtype != torch.float32 or t.device.type != "cpu":
-                raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
-        if dk != d or hq % hk or value_cache.shape != key_cache.shape:
-            raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(key_cache.shape)}")
+        _, block_size, hk, _ = key_cache.shape
+        _check_attention_operands(q, key_cache, value_cache)
         if block_tables.shape[0] != b or seq_lens.shape != (b,):
             raise ValueError("block_tables and seq_lens need one row per query")
         q = q.contiguous()
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
-        if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-            raise ValueError("caches must be contiguous")
         out = torch.empty_like(q)
         rc = self._paged_decode(
             q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), out.data_ptr(), b, hq, hk, d, block_size, tables.shape[1],
-            float(scale), torch.get_num_threads(),
+            float(scale), int(key_cache.dtype == torch.int8), torch.get_num_threads(),
         )
         if rc != 0:
             raise MemoryError("paged decode kernel could not allocate its scratch memory")
@@ -366,6 +363,7 @@ class NativeCpuKernels:
         q as ``paged_decode`` checks them."""
         t, hq, d = q.shape
         _, block_size, hk, _ = key_cache.shape
+        _check_attention_operands(q, key_cache, value_cache)
         if -(-(start + t) // block_size) > block_table.shape[0]:
             raise ValueError(f"block table of {block_table.shape[0]} blocks does not cover "
                              f"{start + t} tokens")
@@ -374,8 +372,28 @@ class NativeCpuKernels:
         if t and self._paged_prefill(
                 q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), table.data_ptr(),
                 start, out.data_ptr(), t, hq, hk, d, block_size, float(scale),
-                torch.get_num_threads()) != 0:
+                int(key_cache.dtype == torch.int8), torch.get_num_threads()) != 0:
             raise MemoryError("paged prefill kernel could not allocate its scratch memory")
+
+
+def _check_attention_operands(q: torch.Tensor, key_cache: torch.Tensor,
+                              value_cache: torch.Tensor) -> None:
+    """q [T, Hq, D] float32 against contiguous CPU caches [blocks, bs, Hk, D] float32 or
+    [blocks, bs, Hk, D + 4] int8 (8-bit heads and their scales): ValueError naming the misfit."""
+    d, (hk, dk) = q.shape[-1], key_cache.shape[2:]
+    if q.dtype != torch.float32 or q.device.type != "cpu":
+        raise ValueError(f"q must be a float32 CPU tensor, got {q.dtype} on {q.device}")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dtype not in (torch.float32, torch.int8) or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a float32 or int8 CPU tensor, got {t.dtype} on "
+                             f"{t.device}")
+        if not t.is_contiguous():
+            raise ValueError("caches must be contiguous")
+    want = d + 4 if key_cache.dtype == torch.int8 else d
+    if (dk != want or q.shape[1] % hk or value_cache.shape != key_cache.shape
+            or value_cache.dtype != key_cache.dtype):
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(key_cache.shape)} "
+                         f"{key_cache.dtype}")
 
 
 def _check_rc(rc: int, what: str) -> None:
@@ -454,11 +472,13 @@ def silu_and_mul_applies(x: torch.Tensor) -> bool:
 def rotary_store_kv_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cache: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether the native rotary + store serves these: float32 CPU, heads packed per token,
-    contiguous float32 cache and caches."""
+    contiguous float32 rotary cache, contiguous caches (float32, or int8 8-bit heads)."""
     d = q.shape[-1]
     return (q.device.type == "cpu" and q.dim() == 3 and k.dim() == 3 and v.dim() == 3
             and all(t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == d
                     for t in (q, k, v))
             and cache.dtype == torch.float32 and cache.is_contiguous()
-            and key_cache.dtype == torch.float32 and key_cache.is_contiguous()
+            and key_cache.is_contiguous() and (
+                key_cache.dtype == torch.float32 and key_cache.shape[-1] == d
+                or key_cache.dtype == torch.int8 and key_cache.shape[-1] == d + 4)
             and cache.shape[-1] == d and native_kernels() is not None)

@@ -37,9 +37,10 @@ class Settings(BaseSettings):
     kv_cache_gb: float | None = Field(default=None, gt=0,
                                       description="None: 2 GiB on CPU, a fraction on CUDA")
     kv_cache_memory_fraction: float = Field(default=0.9, gt=0, le=1)
-    kv_cache_dtype: str = Field(default="auto", pattern="^(auto|fp8)$",
+    kv_cache_dtype: str = Field(default="auto", pattern="^(auto|fp8|int8)$",
                                 description="auto: the model's dtype; fp8: e4m3 (CUDA), twice "
-                                            "the tokens in the same memory")
+                                            "the tokens in the same memory; int8: 8-bit heads "
+                                            "with a scale each (CPU), 3.8x float32's tokens")
     prefix_caching: bool = True
     # CUDA: replay decode steps from CUDA graphs captured at start-up (False: eager steps).
     cuda_graphs: bool = True

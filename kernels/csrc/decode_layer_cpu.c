@@ -10,7 +10,7 @@
  * tokens do not depend on which path its steps took.
  *
  * Layouts: hidden, residual, out, out_residual [rows, hidden] contiguous float32; the caches
- * as paged_decode_cpu.c's; positions and slots [rows] int64; block_tables [rows, width] int32;
+ * as paged_decode_cpu.c's (float32, or 8-bit heads with kv_int8); positions and slots [rows] int64; block_tables [rows, width] int32;
  * seq_lens [rows] int32; rope [max_positions, head_dim] float32 (cos | sin halves).
  */
 #include <stdint.h>
@@ -23,12 +23,13 @@ void tidegate_rms_norm_f32(const float *x, int64_t ldx, const float *res, int64_
                            int64_t h, int num_threads);
 void tidegate_rotary_store_kv_f32(float *q, int64_t ldq, float *k, int64_t ldk, const float *v,
                                   int64_t ldv, const int64_t *positions, const float *cache,
-                                  float *key_cache, float *value_cache, const int64_t *slots,
-                                  int64_t t, int64_t hq, int64_t hk, int64_t d, int num_threads);
-int tidegate_paged_decode_f32(const float *q, const float *key_cache, const float *value_cache,
+                                  void *key_cache, void *value_cache, const int64_t *slots,
+                                  int64_t t, int64_t hq, int64_t hk, int64_t d, int kv_int8,
+                                  int num_threads);
+int tidegate_paged_decode_f32(const float *q, const void *key_cache, const void *value_cache,
                               const int32_t *block_tables, const int32_t *seq_lens, float *out,
                               int64_t b, int64_t hq, int64_t hk, int64_t d, int64_t block_size,
-                              int64_t max_blocks, float scale, int num_threads);
+                              int64_t max_blocks, float scale, int kv_int8, int num_threads);
 void tidegate_silu_mul_f32(const float *x, int64_t ldx, float *out, int64_t m, int64_t i,
                            int num_threads);
 int64_t tidegate_q8_row_bytes(int64_t k);
@@ -62,6 +63,7 @@ struct tidegate_decoder_layer {
 
 struct tidegate_decode_batch {
     int64_t rows, block_size, table_width;
+    int64_t kv_int8; /* the caches hold 8-bit heads (paged_decode_cpu.c) */
     const int64_t *positions, *slots;
     const int32_t *block_tables, *seq_lens;
     const float *rope;
@@ -84,8 +86,8 @@ static int project(const struct tidegate_projection *p, const float *x, int64_t 
  * residual)). Returns 0; -1 for weights the 8-bit kernels refuse; -2 when scratch memory
  * cannot be had. */
 int tidegate_decode_layer_q8(const struct tidegate_decoder_layer *L,
-                             const struct tidegate_decode_batch *B, float *key_cache,
-                             float *value_cache, const float *hidden, const float *residual,
+                             const struct tidegate_decode_batch *B, void *key_cache,
+                             void *value_cache, const float *hidden, const float *residual,
                              float *out, float *out_residual, int threads) {
     const int64_t m = B->rows, h = L->hidden, inter = L->intermediate, d = L->head_dim;
     const int64_t q_size = L->heads * d, kv_size = L->kv_heads * d, qkv_size = q_size + 2 * kv_size;
@@ -107,11 +109,11 @@ int tidegate_decode_layer_q8(const struct tidegate_decoder_layer *L,
     if ((rc = project(&L->qkv, normed, m, h, xq, qkv, threads)) != 0) goto done;
     tidegate_rotary_store_kv_f32(qkv, qkv_size, qkv + q_size, qkv_size, qkv + q_size + kv_size,
                                  qkv_size, B->positions, B->rope, key_cache, value_cache,
-                                 B->slots, m, L->heads, L->kv_heads, d, threads);
+                                 B->slots, m, L->heads, L->kv_heads, d, (int)B->kv_int8, threads);
     for (int64_t r = 0; r < m; ++r) memcpy(q + r * q_size, qkv + r * qkv_size, (size_t)q_size * 4);
     if (tidegate_paged_decode_f32(q, key_cache, value_cache, B->block_tables, B->seq_lens, attn,
                                   m, L->heads, L->kv_heads, d, B->block_size, B->table_width,
-                                  (float)L->scale, threads) != 0) {
+                                  (float)L->scale, (int)B->kv_int8, threads) != 0) {
         rc = -2;
         goto done;
     }

@@ -8,11 +8,15 @@
  *
  * Layouts (all contiguous, float32):
  *   q, out       [B, Hq, D]           one query token per sequence, at position seq_len - 1
- *   key_cache    [num_blocks, bs, Hk, D]
+ *   key_cache    [num_blocks, bs, Hk, D]        (kv_int8: int8 [num_blocks, bs, Hk, D + 4])
  *   value_cache  [num_blocks, bs, Hk, D]
  *   block_tables [B, W] int32         W * bs >= max(seq_lens)
  *   seq_lens     [B] int32
  * Query heads h*G .. h*G+G-1 share kv head h (GQA, G = Hq / Hk).
+ *
+ * An 8-bit cache (kv_int8) holds each token's head as D int8 values and then its float32 scale
+ * (s = max|x| / 127, x ~= s * q: D + 4 bytes per head, elementwise_cpu.c writes them): a third
+ * of the float32 cache's bytes, and decode attention at batch 32 is a stream over the cache.
  *
  * Two passes per (sequence, kv head): scores for all G queries (one read of K), softmax, then
  * the weighted sum of V (one read of V). Threads come from the OpenMP runtime torch already
@@ -30,8 +34,41 @@ static inline float exp_nonpositive(float x) { return exp_poly(x < -87.0f ? -87.
 
 /* Ask for the next block while this one is computed: blocks lie anywhere in the cache, so
  * the hardware prefetcher cannot guess where the next one starts. */
-static inline void prefetch_block(const float *p, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
+static inline void prefetch_block(const void *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
+}
+
+/* q . k over d values: a float32 key, or an 8-bit one times its scale (stored after it). */
+static inline float dot_key(const float *qh, const void *kh, int64_t d, int kv_int8) {
+    float s = 0.0f;
+    if (kv_int8) {
+        const int8_t *k8 = kh;
+        float sk;
+        memcpy(&sk, k8 + d, 4);
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < d; ++i) s += qh[i] * (float)k8[i];
+        return s * sk;
+    }
+    const float *k = kh;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < d; ++i) s += qh[i] * k[i];
+    return s;
+}
+
+/* ah += w * v over d values (an 8-bit value row: w times its scale first). */
+static inline void add_value(float *ah, float w, const void *vh, int64_t d, int kv_int8) {
+    if (kv_int8) {
+        const int8_t *v8 = vh;
+        float sv;
+        memcpy(&sv, v8 + d, 4);
+        const float ws = w * sv;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) ah[i] += ws * (float)v8[i];
+        return;
+    }
+    const float *v = vh;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) ah[i] += w * v[i];
 }
 
 /* Query row b attends to the first len(b) tokens of the sequence whose blocks table row b
@@ -40,14 +77,16 @@ static inline void prefetch_block(const float *p, int64_t floats) {
  * and everything before it). Either way a row's arithmetic depends on nothing but its query,
  * its context and its length, so a token gets the same bits in a decode step and in a prompt
  * chunk (8-bit activations magnify any difference between the two into different tokens). */
-static int paged_attend(const float *q, const float *key_cache, const float *value_cache,
+static int paged_attend(const float *q, const void *key_cache, const void *value_cache,
                         const int32_t *block_tables, int64_t table_stride,
                         const int32_t *seq_lens, int64_t first_len, float *out, int64_t batch,
                         int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                        int64_t block_size, float scale, int num_threads) {
+                        int64_t block_size, float scale, int kv_int8, int num_threads) {
     const int64_t group = num_q_heads / num_kv_heads;
     const int64_t d = head_dim;
-    const int64_t row = num_kv_heads * head_dim; /* floats per cached token */
+    const int64_t head_bytes = kv_int8 ? d + 4 : 4 * d;
+    const int64_t row = num_kv_heads * head_bytes; /* bytes per cached token */
+    const char *keys = (const char *)key_cache, *values = (const char *)value_cache;
     int64_t max_len = seq_lens == NULL ? first_len + batch - 1 : 0;
     for (int64_t b = 0; seq_lens != NULL && b < batch; ++b)
         max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
@@ -72,19 +111,14 @@ static int paged_attend(const float *q, const float *key_cache, const float *val
          * all kv heads are one contiguous row, so a block is read front to back. */
         for (int64_t start = 0; start < len; start += block_size) {
             const int64_t blk = start / block_size;
-            const float *kb = key_cache + (int64_t)table[blk] * block_size * row;
+            const char *kb = keys + (int64_t)table[blk] * block_size * row;
             const int64_t n = len - start < block_size ? len - start : block_size;
-            if (start + block_size < len) prefetch_block(key_cache + (int64_t)table[blk + 1] * block_size * row, n * row);
-            for (int64_t t = 0; t < n; ++t) {
-                const float *k = kb + t * row;
-                for (int64_t hq = 0; hq < num_q_heads; ++hq) {
-                    const float *qh = qb + hq * d, *kh = k + (hq / group) * d;
-                    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                    for (int64_t i = 0; i < d; ++i) s += qh[i] * kh[i];
-                    scores[hq * len + start + t] = s * scale;
-                }
-            }
+            if (start + block_size < len) prefetch_block(keys + (int64_t)table[blk + 1] * block_size * row, n * row);
+            for (int64_t t = 0; t < n; ++t)
+                for (int64_t hq = 0; hq < num_q_heads; ++hq)
+                    scores[hq * len + start + t] =
+                        dot_key(qb + hq * d, kb + t * row + (hq / group) * head_bytes, d,
+                                kv_int8) * scale;
         }
         /* Softmax per query head, in place. */
         for (int64_t hq = 0; hq < num_q_heads; ++hq) {
@@ -105,19 +139,13 @@ static int paged_attend(const float *q, const float *key_cache, const float *val
         memset(acc, 0, sizeof(float) * (size_t)(num_q_heads * d));
         for (int64_t start = 0; start < len; start += block_size) {
             const int64_t blk = start / block_size;
-            const float *vb = value_cache + (int64_t)table[blk] * block_size * row;
+            const char *vb = values + (int64_t)table[blk] * block_size * row;
             const int64_t n = len - start < block_size ? len - start : block_size;
-            if (start + block_size < len) prefetch_block(value_cache + (int64_t)table[blk + 1] * block_size * row, n * row);
-            for (int64_t t = 0; t < n; ++t) {
-                const float *v = vb + t * row;
-                for (int64_t hq = 0; hq < num_q_heads; ++hq) {
-                    const float w = scores[hq * len + start + t];
-                    const float *vh = v + (hq / group) * d;
-                    float *ah = acc + hq * d;
-#pragma omp simd
-                    for (int64_t i = 0; i < d; ++i) ah[i] += w * vh[i];
-                }
-            }
+            if (start + block_size < len) prefetch_block(values + (int64_t)table[blk + 1] * block_size * row, n * row);
+            for (int64_t t = 0; t < n; ++t)
+                for (int64_t hq = 0; hq < num_q_heads; ++hq)
+                    add_value(acc + hq * d, scores[hq * len + start + t],
+                              vb + t * row + (hq / group) * head_bytes, d, kv_int8);
         }
         memcpy(ob, acc, sizeof(float) * (size_t)(num_q_heads * d));
     }
@@ -127,23 +155,24 @@ static int paged_attend(const float *q, const float *key_cache, const float *val
 
 /* Decodes: q [B, Hq, D], one query per sequence at position seq_lens[b] - 1, block_tables
  * [B, table_width]. Returns 0, or 1 when scratch memory cannot be had. */
-int tidegate_paged_decode_f32(const float *q, const float *key_cache, const float *value_cache,
+int tidegate_paged_decode_f32(const float *q, const void *key_cache, const void *value_cache,
                               const int32_t *block_tables, const int32_t *seq_lens, float *out,
                               int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
                               int64_t head_dim, int64_t block_size, int64_t table_width,
-                              float scale, int num_threads) {
+                              float scale, int kv_int8, int num_threads) {
     return paged_attend(q, key_cache, value_cache, block_tables, table_width, seq_lens, 0, out,
-                        batch, num_q_heads, num_kv_heads, head_dim, block_size, scale,
+                        batch, num_q_heads, num_kv_heads, head_dim, block_size, scale, kv_int8,
                         num_threads);
 }
 
 /* A prefill chunk of one sequence: q [T, Hq, D] the tokens at positions start .. start+T-1
  * (their keys and values already stored), block_table that sequence's blocks; causal. */
-int tidegate_paged_prefill_f32(const float *q, const float *key_cache, const float *value_cache,
+int tidegate_paged_prefill_f32(const float *q, const void *key_cache, const void *value_cache,
                                const int32_t *block_table, int64_t start, float *out,
                                int64_t tokens, int64_t num_q_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t block_size, float scale,
+                               int64_t head_dim, int64_t block_size, float scale, int kv_int8,
                                int num_threads) {
     return paged_attend(q, key_cache, value_cache, block_table, 0, NULL, start + 1, out, tokens,
-                        num_q_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+                        num_q_heads, num_kv_heads, head_dim, block_size, scale, kv_int8,
+                        num_threads);
 }

@@ -122,8 +122,8 @@ def test_cli_bad_input_exits_2_with_a_message(stack: str) -> None:
     out = cli("worker", "--kv-cache-dtype", "fp8")  # on the CPU
     assert out.returncode == 2 and "--kv-cache-dtype fp8" in out.stderr
     assert "Traceback" not in out.stderr
-    out = cli("worker", "--kv-cache-dtype", "int8")
-    assert out.returncode == 2 and "invalid choice: 'int8'" in out.stderr
+    out = cli("worker", "--kv-cache-dtype", "int4")
+    assert out.returncode == 2 and "invalid choice: 'int4'" in out.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")

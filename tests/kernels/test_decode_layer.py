@@ -29,8 +29,8 @@ def gguf_path(tmp_path: Path) -> Path:
                       qtypes={"token_embd": T.Q8_0})
 
 
-def hidden_states(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, *, fused: bool
-                  ) -> tuple[list[torch.Tensor], int]:
+def hidden_states(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, *, fused: bool,
+                  kv: str = "auto") -> tuple[list[torch.Tensor], int]:
     """Every step's final hidden states of a greedy run of PROMPTS, and how many layers the
     one-call path ran."""
     calls = 0
@@ -53,7 +53,8 @@ def hidden_states(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, *, fused
         patch.setattr(ops, "decode_layer", counted)
         patch.setattr(loaded.model, "compute_logits", capture)
         engine = Engine(loaded.model, loaded.tokenizer,
-                        EngineConfig(max_model_len=256, num_blocks=64, block_size=4))
+                        EngineConfig(max_model_len=256, num_blocks=64, block_size=4,
+                                     kv_cache_dtype=kv))
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(EngineRequest(str(i), prompt, SamplingParams(
                 max_tokens=6 + 2 * i, temperature=0.0, ignore_eos=True)))
@@ -62,11 +63,12 @@ def hidden_states(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, *, fused
     return seen, calls
 
 
+@pytest.mark.parametrize("kv", ["auto", "int8"])
 def test_gguf_layers_in_one_call_give_the_op_by_op_bits(
-        gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        gguf_path: Path, monkeypatch: pytest.MonkeyPatch, kv: str) -> None:
     loaded = load_model(str(gguf_path), cpu_activations="int8")
-    one, calls = hidden_states(loaded, monkeypatch, fused=True)
-    by_op, none = hidden_states(loaded, monkeypatch, fused=False)
+    one, calls = hidden_states(loaded, monkeypatch, fused=True, kv=kv)
+    by_op, none = hidden_states(loaded, monkeypatch, fused=False, kv=kv)
     assert calls > 0 and none == 0
     assert all(torch.equal(a, b) for a, b in zip(one, by_op, strict=True))
 
