@@ -103,7 +103,11 @@ def llama_cpp_batch1(llm, prompt: list[int]) -> Batch1:  # noqa: ANN001
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot ({path}); the JSON has every figure")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -29,6 +29,10 @@
 
 #include "exp_poly.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 /* exp(x) for x <= 0 (softmax: a score minus the row's maximum). */
 static inline float exp_nonpositive(float x) { return exp_poly(x < -87.0f ? -87.0f : x); }
 
@@ -70,6 +74,94 @@ static inline void add_value(float *ah, float w, const void *vh, int64_t d, int 
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) ah[i] += w * v[i];
 }
+
+#if defined(__AVX512F__)
+/* A kv head's d values (d a multiple of 16, at most 256) as d / 16 float vectors; an 8-bit
+ * head widened (its scale applied by the caller). */
+static inline void load_head(const void *h, int64_t d, int kv_int8, __m512 *out) {
+    for (int64_t j = 0; j < d / 16; ++j)
+        out[j] = kv_int8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                               _mm_loadu_si128((const __m128i *)((const int8_t *)h + 16 * j))))
+                         : _mm512_loadu_ps((const float *)h + 16 * j);
+}
+
+/* r[i] = the sum of v[i]'s 16 lanes: the 16 vectors reduced together, 45 instructions for 16
+ * sums instead of a reduction each. */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; ++i)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                         _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+/* Scores of 16 consecutive tokens (rows kb, row bytes apart) for every query head: per kv
+ * head, each token's key widened once for its group of query heads, each query head's 16 dot
+ * products reduced together (sum16). scores[hq * len + t] for t in 0..15. */
+static void scores16(const float *qb, const char *kb, int64_t row, int64_t head_bytes,
+                     int64_t num_q_heads, int64_t num_kv_heads, int64_t d, int kv_int8,
+                     float scale, float *scores, int64_t len) {
+    const int64_t group = num_q_heads / num_kv_heads;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+        for (int64_t g0 = 0; g0 < group; g0 += 4) { /* up to 4 query heads: 64 partials */
+            const int64_t ng = group - g0 < 4 ? group - g0 : 4;
+            __m512 part[4][16], k[16];
+            float sk[16];
+            for (int t = 0; t < 16; ++t) {
+                const char *kh = kb + t * row + h * head_bytes;
+                load_head(kh, d, kv_int8, k);
+                if (kv_int8) memcpy(&sk[t], kh + d, 4);
+                for (int64_t g = 0; g < ng; ++g) {
+                    const float *qh = qb + (h * group + g0 + g) * d;
+                    __m512 p = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
+                    for (int64_t j = 1; j < d / 16; ++j)
+                        p = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), k[j], p);
+                    part[g][t] = p;
+                }
+            }
+            for (int64_t g = 0; g < ng; ++g) {
+                __m512 s = sum16(part[g]);
+                if (kv_int8) s = _mm512_mul_ps(s, _mm512_loadu_ps(sk));
+                _mm512_storeu_ps(scores + (h * group + g0 + g) * len, _mm512_mul_ps(
+                    s, _mm512_set1_ps(scale)));
+            }
+        }
+    }
+}
+
+/* acc[hq] += p[hq][t] * v[t] over a block's n tokens for every query head: per kv head,
+ * each token's value widened once for its group of query heads. */
+static void values_block(const float *p, int64_t len, const char *vb, int64_t n, int64_t row,
+                         int64_t head_bytes, int64_t num_q_heads, int64_t num_kv_heads,
+                         int64_t d, int kv_int8, float *acc) {
+    const int64_t group = num_q_heads / num_kv_heads;
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+        for (int64_t t = 0; t < n; ++t) {
+            const char *vh = vb + t * row + h * head_bytes;
+            __m512 v[16];
+            load_head(vh, d, kv_int8, v);
+            float sv = 1.0f;
+            if (kv_int8) memcpy(&sv, vh + d, 4);
+            for (int64_t g = 0; g < group; ++g) {
+                const int64_t hq = h * group + g;
+                const __m512 w = _mm512_set1_ps(kv_int8 ? p[hq * len + t] * sv : p[hq * len + t]);
+                float *ah = acc + hq * d;
+                for (int64_t j = 0; j < d / 16; ++j)
+                    _mm512_storeu_ps(ah + 16 * j, _mm512_fmadd_ps(w, v[j],
+                                                                  _mm512_loadu_ps(ah + 16 * j)));
+            }
+        }
+}
+#endif
 
 /* Query row b attends to the first len(b) tokens of the sequence whose blocks table row b
  * lists: seq_lens[b] with a table per row (decodes), or first_len + b with one table for all
@@ -114,7 +206,14 @@ static int paged_attend(const float *q, const void *key_cache, const void *value
             const char *kb = keys + (int64_t)table[blk] * block_size * row;
             const int64_t n = len - start < block_size ? len - start : block_size;
             if (start + block_size < len) prefetch_block(keys + (int64_t)table[blk + 1] * block_size * row, n * row);
-            for (int64_t t = 0; t < n; ++t)
+            int64_t t = 0;
+#if defined(__AVX512F__)
+            if (d % 16 == 0 && d <= 256) /* whole runs of 16 tokens together */
+                for (; t + 16 <= n; t += 16)
+                    scores16(qb, kb + t * row, row, head_bytes, num_q_heads, num_kv_heads, d,
+                             kv_int8, scale, scores + start + t, len);
+#endif
+            for (; t < n; ++t)
                 for (int64_t hq = 0; hq < num_q_heads; ++hq)
                     scores[hq * len + start + t] =
                         dot_key(qb + hq * d, kb + t * row + (hq / group) * head_bytes, d,
@@ -142,6 +241,13 @@ static int paged_attend(const float *q, const void *key_cache, const void *value
             const char *vb = values + (int64_t)table[blk] * block_size * row;
             const int64_t n = len - start < block_size ? len - start : block_size;
             if (start + block_size < len) prefetch_block(values + (int64_t)table[blk + 1] * block_size * row, n * row);
+#if defined(__AVX512F__)
+            if (d % 16 == 0 && d <= 256) {
+                values_block(scores + start, len, vb, n, row, head_bytes, num_q_heads,
+                             num_kv_heads, d, kv_int8, acc);
+                continue;
+            }
+#endif
             for (int64_t t = 0; t < n; ++t)
                 for (int64_t hq = 0; hq < num_q_heads; ++hq)
                     add_value(acc + hq * d, scores[hq * len + start + t],
