@@ -34,7 +34,7 @@ log = logging.getLogger("tidegate.kernels")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_decode_cpu.c", CSRC / "linear_cpu.c",  # one shared object
            CSRC / "packed_linear_cpu.c", CSRC / "q8_linear_cpu.c", CSRC / "elementwise_cpu.c",
-           CSRC / "decode_layer_cpu.c")
+           CSRC / "decoder_layer_cpu.c")
 # fast-math's parts let the compiler vectorize the reductions (the kernel never sees inf or
 # NaN by construction: its exp clamps, its max starts from a real score). Not -ffast-math
 # itself: with it, GCC links crtfastmath.o into the shared object, whose loading turns on
@@ -158,12 +158,12 @@ class NativeCpuKernels:
                        + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2)
         fn.restype = None
         self._rotary_store_kv = fn
-        fn = self.lib.tidegate_decode_layer_q8
+        fn = self.lib.tidegate_decoder_layer_q8
         fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int]
         fn.restype = ctypes.c_int
         # (layer struct, step struct, key cache, value cache, hidden, residual or None, out,
-        # out residual, threads): kernels.decode_layer builds the structs and checks operands.
-        self.decode_layer = fn
+        # out residual, threads): kernels.decoder_layer builds the structs and checks operands.
+        self.decoder_layer = fn
         fn = self.lib.tidegate_silu_mul_f32
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2 + [
             ctypes.c_int]

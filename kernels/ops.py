@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul_ref
-from kernels.decode_layer import DecodeLayerCall, DecoderWeights
+from kernels.decoder_layer import DecoderWeights, LayerCall
 from kernels.dispatch import SERVE_ROWS, use_triton
 from kernels.int_weight import IntWeight
 from kernels.linear import linear as linear_impl
@@ -25,7 +25,7 @@ from kernels.native_cpu import (
 from kernels.packed_weight import PackedWeight
 from kernels.paged_attention import (
     PagedAttentionMetadata,
-    PagedDecode,
+    PagedLayer,
     paged_decode_attention,
     store_kv_ref,
 )
@@ -33,11 +33,11 @@ from kernels.paged_attention import paged_attention as paged_attention_cpu
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import rotary_ref
 
-__all__ = ["decode_layer", "embedding", "fuses_projections", "linear", "norm_linear",
+__all__ = ["decoder_layer", "embedding", "fuses_projections", "linear", "norm_linear",
            "paged_attention", "paged_decode", "rms_norm", "rotary", "rotary_store_kv",
            "silu_and_mul", "store_kv"]
 
-_decode_layer_call: DecodeLayerCall | None = None
+_layer_call: LayerCall | None = None
 
 
 def fuses_projections(x: torch.Tensor) -> bool:
@@ -82,20 +82,20 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     return silu_and_mul(out) if silu else out
 
 
-def decode_layer(hidden: torch.Tensor, residual: torch.Tensor | None, weights: DecoderWeights,
-                 positions: torch.Tensor, rope_cache: torch.Tensor, decode: PagedDecode
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A whole decoder layer of a decode step in one native call: (hidden, residual) after
-    it, the op-by-op path's bits. None where that call does not serve (it needs the CPU's
-    native kernels and every projection on 8-bit activations): the caller goes op by op."""
-    global _decode_layer_call
+def decoder_layer(hidden: torch.Tensor, residual: torch.Tensor | None, weights: DecoderWeights,
+                  positions: torch.Tensor, rope_cache: torch.Tensor, paged: PagedLayer
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A whole decoder layer of a step in one native call: (hidden, residual) after it, the
+    op-by-op path's bits. None where that call does not serve (it needs the CPU's native
+    kernels and every projection on 8-bit activations): the caller goes op by op."""
+    global _layer_call
     if hidden.device.type != "cpu" or (native := native_kernels()) is None:
         return None
-    if _decode_layer_call is None or _decode_layer_call.native is not native:
-        _decode_layer_call = DecodeLayerCall(native)
-    if not _decode_layer_call.applies(hidden, weights, decode):
+    if _layer_call is None or _layer_call.native is not native:
+        _layer_call = LayerCall(native)
+    if not _layer_call.applies(hidden, weights, paged):
         return None
-    return _decode_layer_call(hidden, residual, weights, positions, rope_cache, decode)
+    return _layer_call(hidden, residual, weights, positions, rope_cache, paged)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:

@@ -95,13 +95,13 @@ class PagedAttentionMetadata:
 
 
 @dataclass(frozen=True, slots=True)
-class PagedDecode:
-    """A decode-only step (one query token per sequence) over one layer's paged cache: what a
-    whole-layer kernel needs besides the layer's weights (``kernels.decode_layer``)."""
+class PagedLayer:
+    """A step over one layer's paged cache: what a whole-layer kernel needs besides the layer's
+    weights (``kernels.decoder_layer``)."""
 
     key_cache: torch.Tensor  # [num_blocks, block_size, Hk, D]
     value_cache: torch.Tensor
-    meta: PagedAttentionMetadata  # num_decodes == number of sequences
+    meta: PagedAttentionMetadata
     scale: float
 
 

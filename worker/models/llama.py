@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
-from kernels.decode_layer import DecoderWeights
+from kernels.decoder_layer import DecoderWeights
 from kernels.int_weight import IntWeight
 from kernels.packed_weight import PackedWeight
-from kernels.paged_attention import PagedDecode
+from kernels.paged_attention import PagedLayer
 from kernels.rotary import Llama3Scaling, cos_sin_cache
 from worker.models.packed_modules import PackedEmbedding, PackedLinear
 
@@ -66,9 +66,9 @@ class AttentionBackend(Protocol):
         positions [T] -> attention output [T, Hq, D]."""
         ...
 
-    def decode_only(self, layer: int) -> PagedDecode | None:
-        """Layer ``layer``'s paged cache when this step is decodes only (one token per
-        sequence), so a whole-layer kernel may run the layer; else None."""
+    def paged_layer(self, layer: int) -> PagedLayer | None:
+        """Layer ``layer``'s paged cache and the step's metadata, so a whole-layer kernel may
+        run the layer; None where there is no paged cache to hand over."""
         ...
 
 
@@ -87,7 +87,7 @@ class CausalAttention:
         )
         return out[0].transpose(0, 1)
 
-    def decode_only(self, layer: int) -> PagedDecode | None:
+    def paged_layer(self, layer: int) -> PagedLayer | None:
         return None
 
 
@@ -118,15 +118,15 @@ class DecoderLayer(nn.Module):
 
         Few rows on a GPU (``ops.fuses_projections``): every projection is a weight stream, so
         each norm goes into the projection after it and each residual add into the one before
-        it; ``hidden`` then is the whole stream and ``residual`` stays None. A decode step on
-        the CPU with 8-bit activations runs the whole layer in one native call
-        (``ops.decode_layer``). Otherwise the residual add goes into the RMSNorm kernel and the
-        projections are plain GEMMs."""
+        it; ``hidden`` then is the whole stream and ``residual`` stays None. On the CPU with
+        8-bit activations the whole layer is one native call (``ops.decoder_layer``).
+        Otherwise the residual add goes into the RMSNorm kernel and the projections are plain
+        GEMMs."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        decode = attn.decode_only(layer)
-        if decode is not None and (done := ops.decode_layer(
-                hidden, residual, self.weights(), positions, rope_cache, decode)) is not None:
+        paged = attn.paged_layer(layer)
+        if paged is not None and (done := ops.decoder_layer(
+                hidden, residual, self.weights(), positions, rope_cache, paged)) is not None:
             return done
         if residual is None and ops.fuses_projections(hidden):
             qkv = ops.norm_linear(hidden, self.input_norm, eps, self.qkv_proj.weight)

@@ -1,7 +1,8 @@
-"""The whole-layer decode call (``kernels.decode_layer``, ``csrc/decode_layer_cpu.c``) against the
-op-by-op path it replaces: the engine's hidden states bit for bit, over decode steps of several
-sequences after prompts of different lengths, for GGUF blocks and for integer weights; and it
-steps aside where it does not serve."""
+"""The one-call decoder layer (``kernels.decoder_layer``, ``csrc/decoder_layer_cpu.c``) against the
+op-by-op path it replaces: the engine's hidden states bit for bit, over prompt chunks and decode
+steps of several sequences (prompts of different lengths, chunked), for GGUF blocks and for
+integer weights, with a float32 and an int8 KV cache; and it steps aside where it does not
+serve."""
 
 from __future__ import annotations
 
@@ -31,15 +32,16 @@ def gguf_path(tmp_path: Path) -> Path:
 
 def hidden_states(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, *, fused: bool,
                   kv: str = "auto") -> tuple[list[torch.Tensor], int]:
-    """Every step's final hidden states of a greedy run of PROMPTS, and how many layers the
-    one-call path ran."""
+    """Every step's final hidden states of a greedy run of PROMPTS (16 tokens a step: prompts in
+    chunks beside decodes), and how many layers of prompt chunks the one-call path ran."""
     calls = 0
-    real = ops.decode_layer
+    real = ops.decoder_layer
 
     def counted(*args: object) -> tuple[torch.Tensor, torch.Tensor] | None:
         nonlocal calls
         done = real(*args) if fused else None  # type: ignore[arg-type]
-        calls += done is not None
+        hidden = args[0]
+        calls += done is not None and hidden.shape[0] > len(PROMPTS)  # type: ignore[attr-defined]
         return done
 
     seen: list[torch.Tensor] = []
@@ -50,10 +52,11 @@ def hidden_states(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, *, fused
         return logits(hidden)
 
     with monkeypatch.context() as patch:
-        patch.setattr(ops, "decode_layer", counted)
+        patch.setattr(ops, "decoder_layer", counted)
         patch.setattr(loaded.model, "compute_logits", capture)
         engine = Engine(loaded.model, loaded.tokenizer,
                         EngineConfig(max_model_len=256, num_blocks=64, block_size=4,
+                                     max_num_seqs=4, max_num_batched_tokens=16,
                                      kv_cache_dtype=kv))
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(EngineRequest(str(i), prompt, SamplingParams(

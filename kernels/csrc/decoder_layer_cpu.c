@@ -1,17 +1,20 @@
-/* A whole decoder layer of a decode step in one call (CPU, 8-bit activations).
+/* A whole decoder layer of a step in one call (CPU, 8-bit activations).
  *
  * A decode step of a small model is a few hundred kernel calls, and on the CPU each costs more
  * around it (Python dispatch, ctypes, tensor allocation, an OpenMP fork) than the layer's own
- * work at one row: about 10 calls per layer made a third of a 20 ms step. Here a decode step's
- * layer is the same kernels, called in the same order, from C: RMSNorm (with the residual
- * add), the q/k/v projection, rotary + KV store, paged decode attention, the output
- * projection, RMSNorm, gate/up, SwiGLU, down. Every step computes what the op-by-op path
- * (kernels/ops.py, for steps with prompt chunks) computes, bit for bit, so a sequence's
- * tokens do not depend on which path its steps took.
+ * work at one row: about 10 calls per layer made a third of a 20 ms step. Here a step's layer
+ * is the same kernels, called in the same order, from C: RMSNorm (with the residual add), the
+ * q/k/v projection, rotary + KV store, paged attention, the output projection, RMSNorm,
+ * gate/up, SwiGLU, down. Every row (token) of the step is one query row of the attention
+ * kernel with its own block table and context length (its position + 1): decodes and prompt
+ * chunks alike, as the kernel computes a prompt chunk row by row anyway. Every step computes
+ * what the op-by-op path (kernels/ops.py) computes, bit for bit, so a sequence's tokens do not
+ * depend on which path its steps took.
  *
  * Layouts: hidden, residual, out, out_residual [rows, hidden] contiguous float32; the caches
- * as paged_decode_cpu.c's (float32, or 8-bit heads with kv_int8); positions and slots [rows] int64; block_tables [rows, width] int32;
- * seq_lens [rows] int32; rope [max_positions, head_dim] float32 (cos | sin halves).
+ * as paged_decode_cpu.c's (float32, or 8-bit heads with kv_int8); positions and slots [rows]
+ * int64; block_tables [rows, width] int32 (each row its sequence's); seq_lens [rows] int32 (each
+ * row's context: its position + 1); rope [max_positions, head_dim] float32 (cos | sin halves).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -61,7 +64,7 @@ struct tidegate_decoder_layer {
     struct tidegate_projection qkv, o, gate_up, down;
 };
 
-struct tidegate_decode_batch {
+struct tidegate_step_rows {
     int64_t rows, block_size, table_width;
     int64_t kv_int8; /* the caches hold 8-bit heads (paged_decode_cpu.c) */
     const int64_t *positions, *slots;
@@ -85,8 +88,8 @@ static int project(const struct tidegate_projection *p, const float *x, int64_t 
  * layer's output, out_residual the residual stream after it (the op-by-op path's (hidden,
  * residual)). Returns 0; -1 for weights the 8-bit kernels refuse; -2 when scratch memory
  * cannot be had. */
-int tidegate_decode_layer_q8(const struct tidegate_decoder_layer *L,
-                             const struct tidegate_decode_batch *B, void *key_cache,
+int tidegate_decoder_layer_q8(const struct tidegate_decoder_layer *L,
+                             const struct tidegate_step_rows *B, void *key_cache,
                              void *value_cache, const float *hidden, const float *residual,
                              float *out, float *out_residual, int threads) {
     const int64_t m = B->rows, h = L->hidden, inter = L->intermediate, d = L->head_dim;

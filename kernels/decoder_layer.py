@@ -1,15 +1,16 @@
-"""A decoder layer of a decode step in one native call on the CPU (``csrc/decode_layer_cpu.c``).
+"""A decoder layer of a step in one native call on the CPU (``csrc/decoder_layer_cpu.c``).
 
 At one row per sequence a layer's kernels take less time than the Python around them (dispatch,
 ctypes, allocation: about a third of a 20 ms step of the default model over ~10 calls per
 layer). When every projection of a layer multiplies 8-bit activations (``kernels.q8_activations``)
-and the step is decodes only, the whole layer is one call into C, which runs the same kernels
-in the same order as the op-by-op path: a row gets the same bits either way. Anything else (GPU,
-float activations, prompt chunks, act-order or multi-part matrices) goes op by op.
+the whole layer is one call into C, which runs the same kernels in the same order as the
+op-by-op path: a row gets the same bits either way. Prompt chunks go the same way, each token a
+query row of the attention kernel with its sequence's block table and its own context length.
+Anything else (GPU, float activations, act-order or multi-part matrices) goes op by op.
 
 The C side reads two structs: the layer's (shapes, norms, the four projections' bytes), built
-once per set of weights and kept, and the step's (positions, slots, block tables, lengths),
-built once per step and shared by its layers.
+once per set of weights and kept, and the step's rows (positions, slots, each row's block table
+and context length), built once per step and shared by its layers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from kernels.int_weight import IntWeight
 from kernels.native_cpu import NativeCpuKernels
 from kernels.packed_weight import PackedWeight
-from kernels.paged_attention import PagedDecode, kv_int8
+from kernels.paged_attention import PagedLayer, kv_int8
 
 # Layer structs kept (each holds its weights alive): a few models' worth.
 MAX_LAYERS = 1024
@@ -62,7 +63,7 @@ class _Layer(ctypes.Structure):
                 ("gate_up", _Projection), ("down", _Projection)]
 
 
-class _Batch(ctypes.Structure):
+class _Rows(ctypes.Structure):
     _fields_ = [("rows", ctypes.c_int64), ("block_size", ctypes.c_int64),
                 ("table_width", ctypes.c_int64), ("kv_int8", ctypes.c_int64),
                 ("positions", ctypes.c_void_p),
@@ -86,7 +87,7 @@ def _projection(weight: PackedWeight | IntWeight) -> _Projection:
                        weight.scales.data_ptr(), weight.zeros.data_ptr(), weight.shape[0])
 
 
-class DecodeLayerCall:
+class LayerCall:
     """The whole-layer call with its structs: one per process (``kernels.ops`` holds it)."""
 
     def __init__(self, native: NativeCpuKernels) -> None:
@@ -94,34 +95,35 @@ class DecodeLayerCall:
         # Layer structs by the identity of the weights they point into (kept alive here, so an
         # id is never reused while its entry stands).
         self._layers: dict[tuple[int, ...], tuple[_Layer, DecoderWeights]] = {}
-        self._step: tuple[object, ...] | None = None  # (meta, positions, rope, struct, tensors)
+        # The step's rows struct: (meta, positions, rope, struct, the tensors it points into).
+        self._step: tuple[object, ...] | None = None
 
-    def applies(self, hidden: torch.Tensor, weights: DecoderWeights, decode: PagedDecode) -> bool:
+    def applies(self, hidden: torch.Tensor, weights: DecoderWeights, paged: PagedLayer) -> bool:
         return (hidden.device.type == "cpu" and hidden.dtype == torch.float32
                 and hidden.dim() == 2 and hidden.is_contiguous()
                 and all(takes_int8(w) for w in weights.projections())
-                and decode.key_cache.dtype in (torch.float32, torch.int8)
-                and decode.key_cache.is_contiguous() and decode.value_cache.is_contiguous())
+                and paged.key_cache.dtype in (torch.float32, torch.int8)
+                and paged.key_cache.is_contiguous() and paged.value_cache.is_contiguous())
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                  weights: DecoderWeights, positions: torch.Tensor, rope_cache: torch.Tensor,
-                 decode: PagedDecode) -> tuple[torch.Tensor, torch.Tensor]:
+                 paged: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after the layer, as ``DecoderLayer.forward`` returns them."""
         m, h = hidden.shape
-        layer = self._layer(weights, h, decode.scale)
-        batch = self._batch(decode, positions, rope_cache, m)
+        layer = self._layer(weights, h, paged.scale)
+        step = self._rows(paged, positions, rope_cache, m)
         if residual is not None and not residual.is_contiguous():
             residual = residual.contiguous()
         out, out_residual = torch.empty(m, h), torch.empty(m, h)
-        rc = self.native.decode_layer(
-            ctypes.byref(layer), ctypes.byref(batch), decode.key_cache.data_ptr(),
-            decode.value_cache.data_ptr(), hidden.data_ptr(),
+        rc = self.native.decoder_layer(
+            ctypes.byref(layer), ctypes.byref(step), paged.key_cache.data_ptr(),
+            paged.value_cache.data_ptr(), hidden.data_ptr(),
             None if residual is None else residual.data_ptr(), out.data_ptr(),
             out_residual.data_ptr(), torch.get_num_threads())
         if rc == -2:
-            raise MemoryError("decode layer kernel could not allocate its scratch memory")
+            raise MemoryError("decoder layer kernel could not allocate its scratch memory")
         if rc != 0:
-            raise ValueError("decode layer kernel: a projection's format is not one it computes")
+            raise ValueError("decoder layer kernel: a projection's format is not one it computes")
         return out, out_residual
 
     def _layer(self, weights: DecoderWeights, hidden: int, scale: float) -> _Layer:
@@ -141,20 +143,24 @@ class DecodeLayerCall:
             entry = self._layers[key] = (struct, weights)
         return entry[0]
 
-    def _batch(self, decode: PagedDecode, positions: torch.Tensor, rope_cache: torch.Tensor,
-               rows: int) -> _Batch:
+    def _rows(self, paged: PagedLayer, positions: torch.Tensor, rope_cache: torch.Tensor,
+              rows: int) -> _Rows:
         step = self._step
-        if step is not None and step[0] is decode.meta and step[1] is positions and (
+        if step is not None and step[0] is paged.meta and step[1] is positions and (
                 step[2] is rope_cache):
             return step[3]  # type: ignore[return-value]
-        meta = decode.meta
-        held = (positions.to(torch.int64).contiguous(), meta.slot_mapping.contiguous(),
-                meta.block_tables.to(torch.int32).contiguous(),
-                meta.seq_lens.to(torch.int32).contiguous(), rope_cache.float().contiguous())
+        meta, given = paged.meta, positions
+        positions = positions.to(torch.int64).contiguous()
+        tables = meta.block_tables.to(torch.int32)
+        if meta.num_decodes != len(meta.seq_lens_host):  # prompt chunks: a table per token
+            tables = tables.index_select(0, torch.repeat_interleave(
+                torch.arange(len(meta.seq_lens_host)), torch.tensor(meta.query_lens_host)))
+        held = (positions, meta.slot_mapping.contiguous(), tables.contiguous(),
+                (positions + 1).to(torch.int32), rope_cache.float().contiguous())
         if held[0].shape != (rows,) or held[2].shape[0] != rows:
-            raise ValueError(f"a decode step of {rows} rows needs one position and one block "
-                             "table row per row")
-        struct = _Batch(rows, decode.key_cache.shape[1], held[2].shape[1],
-                        int(kv_int8(decode.key_cache)), *(t.data_ptr() for t in held))
-        self._step = (meta, positions, rope_cache, struct, held)
+            raise ValueError(f"a step of {rows} rows needs one position and one block table "
+                             "row per row")
+        struct = _Rows(rows, paged.key_cache.shape[1], held[2].shape[1],
+                       int(kv_int8(paged.key_cache)), *(t.data_ptr() for t in held))
+        self._step = (meta, given, rope_cache, struct, held)
         return struct
