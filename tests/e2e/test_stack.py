@@ -123,8 +123,8 @@ def test_cli_bad_input_exits_2_with_a_message(stack: str) -> None:
     out = cli("worker", "--kv-cache-dtype", "fp8")  # on the CPU
     assert out.returncode == 2 and "--kv-cache-dtype fp8" in out.stderr
     assert "Traceback" not in out.stderr
-    out = cli("worker", "--kv-cache-dtype", "int8")
-    assert out.returncode == 2 and "invalid choice: 'int8'" in out.stderr
+    out = cli("worker", "--kv-cache-dtype", "int4")
+    assert out.returncode == 2 and "invalid choice: 'int4'" in out.stderr
     out = cli("worker", "--quantize", "fp8", "--dtype", "bfloat16")  # on the CPU
     assert out.returncode == 2 and "--quantize fp8" in out.stderr
     # Found while loading, not before: the default model is a (packed) GGUF already.
