@@ -111,6 +111,30 @@ static void scores16(const float *qb, const char *kb, int64_t row, int64_t head_
                      int64_t num_q_heads, int64_t num_kv_heads, int64_t d, int kv_int8,
                      float scale, float *scores, int64_t len) {
     const int64_t group = num_q_heads / num_kv_heads;
+    if (d == 64) { /* one query head at a time: its 16 partials and q stay in registers */
+        for (int64_t hq = 0; hq < num_q_heads; ++hq) {
+            const int64_t h = hq / group;
+            const float *qh = qb + hq * 64;
+            const __m512 q0 = _mm512_loadu_ps(qh), q1 = _mm512_loadu_ps(qh + 16),
+                         q2 = _mm512_loadu_ps(qh + 32), q3 = _mm512_loadu_ps(qh + 48);
+            __m512 part[16];
+            float sk[16];
+            for (int t = 0; t < 16; ++t) {
+                const char *kh = kb + t * row + h * head_bytes;
+                __m512 k[16];
+                load_head(kh, 64, kv_int8, k);
+                if (kv_int8) memcpy(&sk[t], kh + 64, 4);
+                __m512 p = _mm512_mul_ps(q0, k[0]);
+                p = _mm512_fmadd_ps(q1, k[1], p);
+                p = _mm512_fmadd_ps(q2, k[2], p);
+                part[t] = _mm512_fmadd_ps(q3, k[3], p);
+            }
+            __m512 s = sum16(part);
+            if (kv_int8) s = _mm512_mul_ps(s, _mm512_loadu_ps(sk));
+            _mm512_storeu_ps(scores + hq * len, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
+        }
+        return;
+    }
     for (int64_t h = 0; h < num_kv_heads; ++h) {
         for (int64_t g0 = 0; g0 < group; g0 += 4) { /* up to 4 query heads: 64 partials */
             const int64_t ng = group - g0 < 4 ? group - g0 : 4;
