@@ -111,6 +111,30 @@ static void scores16(const float *qb, const char *kb, int64_t row, int64_t head_
                      int64_t num_q_heads, int64_t num_kv_heads, int64_t d, int kv_int8,
                      float scale, float *scores, int64_t len) {
     const int64_t group = num_q_heads / num_kv_heads;
+    if (d == 64) { /* one query head at a time: its 16 partials and q stay in registers */
+        for (int64_t hq = 0; hq < num_q_heads; ++hq) {
+            const int64_t h = hq / group;
+            const float *qh = qb + hq * 64;
+            const __m512 q0 = _mm512_loadu_ps(qh), q1 = _mm512_loadu_ps(qh + 16),
+                         q2 = _mm512_loadu_ps(qh + 32), q3 = _mm512_loadu_ps(qh + 48);
+            __m512 part[16];
+            float sk[16];
+            for (int t = 0; t < 16; ++t) {
+                const char *kh = kb + t * row + h * head_bytes;
+                __m512 k[16];
+                load_head(kh, 64, kv_int8, k);
+                if (kv_int8) memcpy(&sk[t], kh + 64, 4);
+                __m512 p = _mm512_mul_ps(q0, k[0]);
+                p = _mm512_fmadd_ps(q1, k[1], p);
+                p = _mm512_fmadd_ps(q2, k[2], p);
+                part[t] = _mm512_fmadd_ps(q3, k[3], p);
+            }
+            __m512 s = sum16(part);
+            if (kv_int8) s = _mm512_mul_ps(s, _mm512_loadu_ps(sk));
+            _mm512_storeu_ps(scores + hq * len, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
+        }
+        return;
+    }
     for (int64_t h = 0; h < num_kv_heads; ++h) {
         for (int64_t g0 = 0; g0 < group; g0 += 4) { /* up to 4 query heads: 64 partials */
             const int64_t ng = group - g0 < 4 ? group - g0 : 4;
@@ -138,12 +162,41 @@ static void scores16(const float *qb, const char *kb, int64_t row, int64_t head_
     }
 }
 
+/* values_block for heads of 64 and groups of up to 4 query heads: the group's sums stay in
+ * registers for the whole block (the same operations in the same order: the same bits). */
+static inline void values_block_64(const float *p, int64_t len, const char *vb, int64_t n,
+                                   int64_t row, int64_t head_bytes, int64_t h, int64_t group,
+                                   int kv_int8, float *acc) {
+    __m512 a[4][4];
+    for (int64_t g = 0; g < group; ++g)
+        for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + (h * group + g) * 64 + 16 * j);
+    for (int64_t t = 0; t < n; ++t) {
+        const char *vh = vb + t * row + h * head_bytes;
+        __m512 v[16];
+        load_head(vh, 64, kv_int8, v);
+        float sv = 1.0f;
+        if (kv_int8) memcpy(&sv, vh + 64, 4);
+        for (int64_t g = 0; g < group; ++g) {
+            const float pw = p[(h * group + g) * len + t];
+            const __m512 w = _mm512_set1_ps(kv_int8 ? pw * sv : pw);
+            for (int j = 0; j < 4; ++j) a[g][j] = _mm512_fmadd_ps(w, v[j], a[g][j]);
+        }
+    }
+    for (int64_t g = 0; g < group; ++g)
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + (h * group + g) * 64 + 16 * j, a[g][j]);
+}
+
 /* acc[hq] += p[hq][t] * v[t] over a block's n tokens for every query head: per kv head,
  * each token's value widened once for its group of query heads. */
 static void values_block(const float *p, int64_t len, const char *vb, int64_t n, int64_t row,
                          int64_t head_bytes, int64_t num_q_heads, int64_t num_kv_heads,
                          int64_t d, int kv_int8, float *acc) {
     const int64_t group = num_q_heads / num_kv_heads;
+    if (d == 64 && group <= 4) {
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+            values_block_64(p, len, vb, n, row, head_bytes, h, group, kv_int8, acc);
+        return;
+    }
     for (int64_t h = 0; h < num_kv_heads; ++h)
         for (int64_t t = 0; t < n; ++t) {
             const char *vh = vb + t * row + h * head_bytes;
