@@ -1,6 +1,8 @@
 """Packed GGUF weights on the CPU, side by side in one run: llama.cpp (llama-cpp-python) on the
-same GGUF file and threads, tidegate's engine on the packed weights, and tidegate's engine on
-the same weights dequantized to float32 (what it served before).
+same GGUF file and threads, tidegate's engine on the packed weights with 8-bit activations (the
+default, llama.cpp's numerics) and with float32 activations (exactly the float32 model's
+outputs), and tidegate's engine on the same weights dequantized to float32 (what it served
+before).
 
 Workloads (greedy; ``ignore_eos`` on tidegate's side, llama.cpp's generator never stops):
   batch1  one chat prompt (the chat template around a question), 128 new tokens: prefill time
@@ -10,8 +12,13 @@ Workloads (greedy; ``ignore_eos`` on tidegate's side, llama.cpp's generator neve
           tidegate only (llama-cpp-python serves one sequence at a time).
 
 Rounds alternate the runs (the host's speed drifts); each run's median round is reported.
+Once per invocation: the greedy tokens of 8 chat prompts x 48 tokens, 8-bit activations against
+the float32 engine (first divergence per prompt, ``tests/worker/engine/test_packed_engine.py``'s
+set), ``tidegate eval-ppl`` on --ppl-text in both activation modes (--no-ppl skips it), and
+where a decode step's time goes at batch 32 and longer contexts (--no-attention skips it): the
+step, and the paged attention kernel alone over the same cache, with float32 and int8 KV.
 
-Usage:  python benchmarks/quantized_cpu.py [--threads 2] [--repeats 3] [--no-mixed]
+Usage:  python benchmarks/quantized_cpu.py [--threads 2] [--repeats 3] [--no-mixed] [--no-ppl]
             [--out benchmarks/results/quantized_cpu.json] [--plot benchmarks/results/quantized_cpu.png]
 llama.cpp: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON" \\
            pip install --no-deps llama-cpp-python diskcache   (the native build crashed here)
@@ -21,8 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import random
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -33,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_cpu import mixed_workload, run_tidegate  # noqa: E402
+from tests.worker.engine.test_packed_engine import PROMPTS, first_divergence, generate  # noqa: E402
 from tidegate.protocol import SamplingParams  # noqa: E402
 from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from worker.models.loaders.loader import LoadedModel, load_model  # noqa: E402
@@ -40,6 +51,7 @@ from worker.service.cpu_tuning import keep_large_allocations  # noqa: E402
 
 QUESTION = "What is the capital of France? Answer in one sentence, please."
 NEW_TOKENS = 128
+PPL_TEXT = "/usr/share/common-licenses/GPL-3"  # benchmarks/quantize_ppl.py scores the same
 
 
 @dataclass
@@ -91,7 +103,11 @@ def llama_cpp_batch1(llm, prompt: list[int]) -> Batch1:  # noqa: ANN001
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot ({path}); the JSON has every figure")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -102,14 +118,14 @@ def plot(report: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 2 if mixed else 1, figsize=(11 if mixed else 6, 4), squeeze=False)
     ax = axes[0][0]
     ax.bar([n for n, _ in b1], [v["decode_ms_mean"] for _, v in b1],
-           color=["#888", "#2ca02c", "#1f77b4"][:len(b1)])
+           color=["#888", "#2ca02c", "#98df8a", "#1f77b4"][:len(b1)])
     ax.set_title(f"batch 1: ms per output token ({report['machine']['threads']} threads)")
     for i, (_, v) in enumerate(b1):
         ax.text(i, v["decode_ms_mean"], f"{v['decode_ms_mean']:.1f}", ha="center", va="bottom")
     if mixed:
         ax = axes[0][1]
         ax.bar([n for n, _ in mixed], [v["output_tok_s"] for _, v in mixed],
-               color=["#2ca02c", "#1f77b4"])
+               color=["#2ca02c", "#98df8a", "#1f77b4"][:len(mixed)])
         ax.set_title("32 mixed requests: output tokens/s")
     for ax in axes[0]:
         ax.tick_params(axis="x", labelsize=8)
@@ -117,8 +133,65 @@ def plot(report: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+def eval_ppl(text: str, activations: str, threads: int) -> dict[str, object]:
+    """``tidegate eval-ppl`` on the default model, as a user runs it."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tidegate", "eval-ppl", "smollm2", "--text", text, "--json",
+         "--cpu-activations", activations], capture_output=True, text=True, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": str(threads)})  # torch's thread count
+    if done.returncode != 0:
+        raise SystemExit(f"eval-ppl failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def decode_attention(loaded: LoadedModel, context: int, kv: str, batch: int = 32,
+                     steps: int = 8) -> dict[str, float]:
+    """Decode steps of ``batch`` sequences with ``context``-token prompts (random tokens):
+    the median step, and the paged attention kernel alone over every layer of the same cache
+    and tables (the part of the step an 8-bit cache shrinks)."""
+    from kernels.native_cpu import native_kernels
+    from kernels.paged_attention import PagedAttentionMetadata
+
+    rng = random.Random(context)
+    cfg = loaded.config
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
+        max_model_len=context + steps + 8, max_num_seqs=batch, max_num_batched_tokens=2048,
+        num_blocks=batch * (-(-(context + steps + 8) // 16)) + 1, kv_cache_dtype=kv))
+    for i in range(batch):
+        engine.add_request(EngineRequest(str(i), [rng.randrange(100, cfg.vocab_size - 100)
+                                                  for _ in range(context)],
+                                         SamplingParams(max_tokens=steps + 4, ignore_eos=True)))
+    while engine.num_waiting or any(len(s.output_ids) == 0 for s in engine.scheduler.running):
+        engine.step()  # prompts, until every sequence decodes
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(1000 * (time.perf_counter() - start))
+    seqs = engine.scheduler.running
+    tables = [engine.blocks.block_table(s.request_id) for s in seqs]  # as the kernel sees them
+    lens = [s.num_computed for s in seqs]
+    meta = PagedAttentionMetadata.build(tables, lens, [1] * len(seqs), [0] * len(seqs))
+    native = native_kernels()
+    assert native is not None
+    q = torch.randn(len(seqs), cfg.num_heads, cfg.head_dim)
+    cache = engine.runner.kv_cache
+    attention = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for layer in range(cfg.num_layers):
+            native.paged_decode(q, cache[layer, 0], cache[layer, 1], meta.block_tables,
+                                meta.seq_lens, cfg.head_dim ** -0.5)
+        attention.append(1000 * (time.perf_counter() - start))
+    return {"step_ms": round(statistics.median(times), 2),
+            "attention_ms": round(statistics.median(attention), 2)}
+
+
+def prompt_set_agreement(int8: LoadedModel, dequantized: LoadedModel) -> dict[str, int | None]:
+    """First output position where the 8-bit engine's greedy tokens part from the float32
+    engine's, per prompt (None: the same 48 tokens)."""
+    want, got = generate(dequantized), generate(int8)
+    return {PROMPTS[int(k)]: first_divergence(want[k], got[k]) for k in want}
 
 
 def main() -> None:
@@ -127,6 +200,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-mixed", action="store_true", help="batch1 only")
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--no-ppl", action="store_true", help="skip eval-ppl in both modes")
+    ap.add_argument("--no-attention", action="store_true",
+                    help="skip the batch-32 decode steps at long contexts")
+    ap.add_argument("--ppl-text", default=PPL_TEXT)
     ap.add_argument("--out", default="benchmarks/results/quantized_cpu.json")
     ap.add_argument("--plot", default="benchmarks/results/quantized_cpu.png")
     ap.add_argument("--replot", metavar="JSON", help="only redraw --plot from a written JSON")
@@ -137,7 +214,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     keep_large_allocations()
-    packed = load_model("smollm2", packed=True)
+    packed = load_model("smollm2", packed=True, cpu_activations="int8")
+    exact = load_model("smollm2", packed=True, cpu_activations="float")
     dequantized = load_model("smollm2", packed=False)
     assert packed.source.path is not None
     prompt = packed.tokenizer.encode_prompt(None, [{"role": "user", "content": QUESTION}])
@@ -155,13 +233,19 @@ def main() -> None:
         got: dict[str, object] = {}
         if llm is not None:
             got["b1 llama.cpp"] = llama_cpp_batch1(llm, prompt)
-        got["b1 tidegate packed"] = tidegate_batch1("tidegate, packed Q4_1/Q8_0", packed, prompt)
+        got["b1 tidegate packed int8"] = tidegate_batch1(
+            "tidegate, packed Q4_1/Q8_0, 8-bit activations", packed, prompt)
+        got["b1 tidegate packed float"] = tidegate_batch1(
+            "tidegate, packed Q4_1/Q8_0, float32 activations", exact, prompt)
         got["b1 tidegate float32"] = tidegate_batch1("tidegate, dequantized float32",
                                                      dequantized, prompt)
         if not args.no_mixed:
-            got["mixed tidegate packed"] = run_tidegate("mixed tidegate packed", packed, mixed)
-            got["mixed tidegate float32"] = run_tidegate("mixed tidegate float32", dequantized,
-                                                         mixed)
+            for key, loaded, kv in (("packed int8, int8 KV", packed, "int8"),
+                                    ("packed int8", packed, "auto"),
+                                    ("packed float", exact, "auto"),
+                                    ("float32", dequantized, "auto")):
+                got[f"mixed tidegate {key}"] = run_tidegate(f"mixed tidegate {key}", loaded, mixed,
+                                                            kv_cache_dtype=kv)
         rounds.append(got)
         print(f"round {r + 1}: " + ", ".join(
             f"{k} {v.decode_ms_mean:.2f} ms/tok" if isinstance(v, Batch1)
@@ -193,12 +277,23 @@ def main() -> None:
         report["runs"][key] = entry  # type: ignore[index]
     b1 = {k: median_of(k)[0] for k in rounds[0] if k.startswith("b1")}
     report["greedy_first_divergence"] = {
-        "packed vs float32": first_divergence(b1["b1 tidegate packed"].tokens,
-                                              b1["b1 tidegate float32"].tokens),
-        **({"packed vs llama.cpp": first_divergence(b1["b1 tidegate packed"].tokens,
-                                                    b1["b1 llama.cpp"].tokens)}
+        "packed float vs float32": first_divergence(b1["b1 tidegate packed float"].tokens,
+                                                    b1["b1 tidegate float32"].tokens),
+        "packed int8 vs float32": first_divergence(b1["b1 tidegate packed int8"].tokens,
+                                                   b1["b1 tidegate float32"].tokens),
+        **({"packed int8 vs llama.cpp": first_divergence(b1["b1 tidegate packed int8"].tokens,
+                                                         b1["b1 llama.cpp"].tokens),
+            "float32 vs llama.cpp": first_divergence(b1["b1 tidegate float32"].tokens,
+                                                     b1["b1 llama.cpp"].tokens)}
            if "b1 llama.cpp" in b1 else {}),
     }
+    report["prompt_set_int8_vs_float32"] = prompt_set_agreement(packed, dequantized)
+    if not args.no_attention:
+        report["decode_batch32"] = {f"context {ctx}, {kv} KV": decode_attention(packed, ctx, kv)
+                                    for ctx in (512, 1024, 2048) for kv in ("auto", "int8")}
+    if not args.no_ppl:
+        report["eval_ppl"] = {mode: eval_ppl(args.ppl_text, mode, args.threads)
+                              for mode in ("float", "int8")}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
         plot(report, args.plot)

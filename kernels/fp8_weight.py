@@ -64,6 +64,17 @@ class Fp8Weight:
                    torch.cat([w.weight for w in weights]), torch.cat([w.scales for w in weights]),
                    first.format)
 
+    @property
+    def activations(self) -> str:
+        """What the CPU multiplies it with: always float32 (its kernel has no 8-bit-activation
+        form; ``kernels.q8_activations``)."""
+        return "float"
+
+    def with_activations(self, activations: str) -> Fp8Weight:
+        """Itself: the CPU's FP8 kernel takes float32 activations in either mode."""
+        del activations
+        return self
+
     def to(self, device: torch.device | str) -> Fp8Weight:
         return Fp8Weight(self.shape, self.weight.to(device), self.scales.to(device), self.format)
 

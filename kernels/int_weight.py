@@ -21,9 +21,11 @@ multiple of 16, and for 4 bits 16 or a multiple of 32, so groups and 32-column r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from kernels.q8_activations import check_activations
 
 BITS = (4, 8)
 
@@ -40,8 +42,11 @@ class IntWeight:
     zeros: torch.Tensor
     perm: torch.Tensor | None = None
     format: str = "int"  # where the integers came from (gptq, awq, compressed-tensors, rtn)
+    # What the CPU multiplies it with (kernels.q8_activations): "float" or "int8".
+    activations: str = "float"
 
     def __post_init__(self) -> None:
+        check_activations(self.activations)
         n, k = self.shape
         g = self.group_size
         if self.bits not in BITS:
@@ -114,7 +119,7 @@ class IntWeight:
         return cls((sum(w.shape[0] for w in weights), first.shape[1]), first.bits,
                    first.group_size, torch.cat([w.qweight for w in weights]),
                    torch.cat([w.scales for w in weights]), torch.cat([w.zeros for w in weights]),
-                   first.perm, first.format)
+                   first.perm, first.format, first.activations)
 
     def to(self, device: torch.device | str) -> IntWeight:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -122,7 +127,17 @@ class IntWeight:
 
         return IntWeight(self.shape, self.bits, self.group_size, self.qweight.to(device),
                          self.scales.to(device), self.zeros.to(device), move(self.perm),
-                         self.format)
+                         self.format, self.activations)
+
+    def with_activations(self, activations: str) -> IntWeight:
+        return replace(self, activations=activations)
+
+    @property
+    def takes_int8(self) -> bool:
+        """Whether the CPU multiplies 8-bit activations: the "int8" mode, rows of whole blocks
+        of 32, groups of whole steps of 16 columns."""
+        return (self.activations == "int8" and self.shape[1] % 32 == 0
+                and self.group_size % 16 == 0)
 
     @property
     def types(self) -> tuple[str, ...]:

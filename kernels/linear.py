@@ -18,6 +18,10 @@ scales (``kernels.int_weight``: GPTQ, AWQ, compressed-tensors) take the same ker
 own row dequantizer; ``int_linear_ref`` is theirs. FP8 weights (``kernels.fp8_weight``) too:
 the CPU has no FP8 arithmetic, so their rows are widened to float32 (exactly) and multiplied
 with float32 activations, weight-only; ``fp8_linear_ref`` is theirs.
+
+Weights in the "int8" activation mode (``kernels.q8_activations``) go to the 8-bit kernel
+(``csrc/q8_linear_cpu.c``): x rounded per row to 8-bit blocks, integer dot products. Its
+reference is the same references with x rounded first (``dequantize_rows_q8_ref``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from kernels.native_cpu import native_kernels
 from kernels.packed_weight import PackedWeight
+from kernels.q8_activations import dequantize_rows_q8_ref
 from kernels.rmsnorm import rms_norm_ref
 
 # The native kernel won at 1-32 rows on every projection shape of the default model and was
@@ -49,13 +54,30 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None =
 
 def packed_linear_ref(x: torch.Tensor, weight: PackedWeight, add: torch.Tensor | None = None
                       ) -> torch.Tensor:
-    """The packed kernel's reference: the whole matrix dequantized, then ``linear_ref``."""
-    return linear_ref(x, weight.dequantize().to(x.dtype), add)
+    """The packed kernels' reference: the whole matrix dequantized, then ``linear_ref``; in
+    the "int8" mode each quantized part multiplies x rounded to 8-bit blocks."""
+    if not any(weight.takes_int8(p) for p in weight.parts):
+        return linear_ref(x, weight.dequantize().to(x.dtype), add)
+    rounded = _rounded(x)
+    outs = [linear_ref(rounded if weight.takes_int8(part) else x,
+                       PackedWeight((part.rows, weight.shape[1]), (part,)).dequantize().to(x.dtype))
+            for part in weight.parts]
+    out = torch.cat(outs, dim=-1)
+    return out if add is None else out + add
 
 
 def int_linear_ref(x: torch.Tensor, weight: IntWeight, add: torch.Tensor | None = None
                    ) -> torch.Tensor:
-    """The integer kernels' reference: the whole matrix dequantized, then ``linear_ref``."""
+    """The integer kernels' reference: the whole matrix dequantized, then ``linear_ref``; in
+    the "int8" mode x rounded to 8-bit blocks first (in the stored column order, as the
+    kernel reads it: act-order weights round x[:, perm])."""
+    if weight.takes_int8:
+        if weight.perm is None:
+            x = _rounded(x)
+        else:
+            rounded = torch.empty_like(x)
+            rounded[..., weight.perm] = _rounded(x[..., weight.perm])
+            x = rounded
     return linear_ref(x, weight.dequantize().to(x.dtype), add)
 
 
@@ -63,6 +85,11 @@ def fp8_linear_ref(x: torch.Tensor, weight: Fp8Weight, add: torch.Tensor | None 
                    ) -> torch.Tensor:
     """The FP8 kernels' reference: the whole matrix dequantized, then ``linear_ref``."""
     return linear_ref(x, weight.dequantize().to(x.dtype), add)
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as the 8-bit kernels read it (rows rounded to 8-bit blocks), in x's dtype."""
+    return dequantize_rows_q8_ref(x.reshape(-1, x.shape[-1])).reshape(x.shape).to(x.dtype)
 
 
 def norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,

@@ -34,7 +34,8 @@ log = logging.getLogger("tidegate.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_decode_cpu.c", CSRC / "linear_cpu.c",  # one shared object
-           CSRC / "packed_linear_cpu.c", CSRC / "elementwise_cpu.c")
+           CSRC / "packed_linear_cpu.c", CSRC / "q8_linear_cpu.c", CSRC / "elementwise_cpu.c",
+           CSRC / "decoder_layer_cpu.c")
 # fast-math's parts let the compiler vectorize the reductions (the kernel never sees inf or
 # NaN by construction: its exp clamps, its max starts from a real score). Not -ffast-math
 # itself: with it, GCC links crtfastmath.o into the shared object, whose loading turns on
@@ -77,9 +78,10 @@ def _compiler() -> str:
     return cc
 
 
-def build(sources: tuple[Path, ...] = SOURCES) -> Path:
-    """Compile ``sources`` into one shared object unless a build for these sources, compiler
-    and CPU is cached."""
+def build(sources: tuple[Path, ...] = SOURCES, defines: tuple[str, ...] = ()) -> Path:
+    """Compile ``sources`` into one shared object unless a build for these sources, compiler,
+    CPU and ``defines`` (``-D`` names: the tests force the slower paths with them) is cached."""
+    flags = [*FLAGS, *(f"-D{name}" for name in defines)]
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
@@ -88,7 +90,7 @@ def build(sources: tuple[Path, ...] = SOURCES) -> Path:
         raise NativeBuildError(f"{cc} --version failed: {exc}") from exc
     headers = sorted({h for src in sources for h in src.parent.glob("*.h")})
     key = hashlib.sha256("\0".join(
-        [*(src.read_text() for src in (*sources, *headers)), " ".join(FLAGS), version,
+        [*(src.read_text() for src in (*sources, *headers)), " ".join(flags), version,
          _cpu_identity()]
     ).encode()).hexdigest()[:16]
     target = cache_dir() / f"tidegate-cpu-{key}.so"
@@ -99,7 +101,7 @@ def build(sources: tuple[Path, ...] = SOURCES) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, *map(str, sources), "-o", tmp], capture_output=True,
+        proc = subprocess.run([cc, *flags, *map(str, sources), "-o", tmp], capture_output=True,
                               text=True, timeout=300)
         if proc.returncode != 0:
             names = ", ".join(src.name for src in sources)
@@ -119,9 +121,15 @@ class NativeCpuKernels:
         # library binds to: one thread pool for torch and these kernels.
         self.lib = ctypes.CDLL(str(path))
         fn = self.lib.tidegate_paged_decode_f32
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
+                       + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
         fn.restype = ctypes.c_int
         self._paged_decode = fn
+        fn = self.lib.tidegate_paged_prefill_f32
+        fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
+                       + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
+        fn.restype = ctypes.c_int
+        self._paged_prefill = fn
         fn = self.lib.tidegate_skinny_linear_f32
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_int]
         fn.restype = None
@@ -152,9 +160,37 @@ class NativeCpuKernels:
         self._rms_norm = fn
         fn = self.lib.tidegate_rotary_store_kv_f32
         fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5
-                       + [ctypes.c_int64] * 4 + [ctypes.c_int])
+                       + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2)
         fn.restype = None
         self._rotary_store_kv = fn
+        fn = self.lib.tidegate_decoder_layer_q8
+        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
+        # (layer struct, step struct, key cache, value cache, hidden, residual or None, out,
+        # out residual, threads): kernels.decoder_layer builds the structs and checks operands.
+        self.decoder_layer = fn
+        fn = self.lib.tidegate_silu_mul_f32
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2 + [
+            ctypes.c_int]
+        fn.restype = None
+        self._silu_mul = fn
+        fn = self.lib.tidegate_quantize_rows_q8
+        fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
+        fn.restype = None
+        self._quantize_rows_q8 = fn
+        fn = self.lib.tidegate_q8_packed_linear
+        fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._q8_packed_linear = fn
+        fn = self.lib.tidegate_q8_int_linear
+        fn.argtypes = ([ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 6
+                       + [ctypes.c_int64] * 4 + [ctypes.c_int])
+        fn.restype = ctypes.c_int
+        self._q8_int_linear = fn
+        self.lib.tidegate_q8_row_bytes.argtypes = [ctypes.c_int64]
+        self.lib.tidegate_q8_row_bytes.restype = ctypes.c_int64
+        # Which path the 8-bit kernels compute with: 2 AVX512-VNNI, 1 AVX2, 0 portable C.
+        self.q8_path = int(self.lib.tidegate_q8_path())
 
     def skinny_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight[N, K].T -> [M, N] for few rows (decode steps); float32 CPU."""
@@ -176,30 +212,37 @@ class NativeCpuKernels:
 
     def packed_linear(self, x: torch.Tensor, weight: PackedWeight,
                       add: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] @ dequant(weight) [N, K].T (+ add [M, N]) -> [M, N]; float32 CPU x."""
+        """x [M, K] @ dequant(weight) [N, K].T (+ add [M, N]) -> [M, N]; float32 CPU x.
+        With ``weight.activations == "int8"`` the quantized parts multiply x rounded to 8-bit
+        blocks (``quantize_rows_q8``, once per call)."""
         n, k = weight.shape
         x, out, add = _projection_operands(x, weight.shape, add)
         m = x.shape[0]
         if m == 0:
             return out
         threads = torch.get_num_threads()
+        xq = None
         row = 0
         for part in weight.parts:
-            rc = self._packed_linear(
-                part.qtype, x.data_ptr(), part.data.data_ptr(), out.data_ptr() + 4 * row,
-                None if add is None else add.data_ptr() + 4 * row, m, part.rows, k,
-                x.stride(0), n, threads)
-            if rc == -2:
-                raise MemoryError("packed linear kernel could not allocate its scratch memory")
-            if rc != 0:
-                raise ValueError(f"packed linear: GGML type {part.qtype} with {k} columns")
+            y = out.data_ptr() + 4 * row
+            a = None if add is None else add.data_ptr() + 4 * row
+            if weight.takes_int8(part):
+                xq = self.quantize_rows_q8(x) if xq is None else xq
+                rc = self._q8_packed_linear(part.qtype, xq.data_ptr(), part.data.data_ptr(), y, a,
+                                            m, part.rows, k, n, threads)
+            else:
+                rc = self._packed_linear(part.qtype, x.data_ptr(), part.data.data_ptr(), y, a, m,
+                                         part.rows, k, x.stride(0), n, threads)
+            _check_rc(rc, f"packed linear: GGML type {part.qtype} with {k} columns")
             row += part.rows
         return out
 
     def int_linear(self, x: torch.Tensor, weight: IntWeight,
                    add: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ weight.dequantize() [N, K].T (+ add [M, N]) -> [M, N]; float32 CPU x.
-        Act-order weights read x's columns in their stored order (one gather of x)."""
+        Act-order weights read x's columns in their stored order (one gather of x). With
+        ``weight.activations == "int8"`` (and K whole blocks of 32, groups whole steps of 16),
+        x is rounded to 8-bit blocks first."""
         n, k = weight.shape
         x, out, add = _projection_operands(x, weight.shape, add)
         if weight.perm is not None:
@@ -207,15 +250,31 @@ class NativeCpuKernels:
         m = x.shape[0]
         if m == 0:
             return out
-        rc = self._int_linear(weight.bits, weight.group_size, x.data_ptr(),
-                              weight.qweight.data_ptr(), weight.scales.data_ptr(),
-                              weight.zeros.data_ptr(), out.data_ptr(),
-                              None if add is None else add.data_ptr(), m, n, k, x.stride(0), n,
-                              torch.get_num_threads())
-        if rc == -2:
-            raise MemoryError("int linear kernel could not allocate its scratch memory")
-        if rc != 0:
-            raise ValueError(f"int linear: {weight.bits} bits in groups of {weight.group_size}")
+        threads = torch.get_num_threads()
+        a = None if add is None else add.data_ptr()
+        args = (weight.qweight.data_ptr(), weight.scales.data_ptr(), weight.zeros.data_ptr(),
+                out.data_ptr(), a, m, n, k)
+        if weight.takes_int8:
+            xq = self.quantize_rows_q8(x)  # held until the call returns
+            rc = self._q8_int_linear(weight.bits, weight.group_size, xq.data_ptr(), *args, n,
+                                     threads)
+        else:
+            rc = self._int_linear(weight.bits, weight.group_size, x.data_ptr(), *args,
+                                  x.stride(0), n, threads)
+        _check_rc(rc, f"int linear: {weight.bits} bits in groups of {weight.group_size}")
+        return out
+
+    def quantize_rows_q8(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 rows x [M, K] (K a multiple of 32) as 8-bit records [M, 1.5 K] uint8 (the
+        layout in ``csrc/q8_linear_cpu.c``; ``kernels.q8_activations`` is the reference)."""
+        m, k = x.shape
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1 or k % 32:
+            raise ValueError(f"8-bit rows need float32 CPU rows of whole blocks of 32, got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
+        out = torch.empty(m, self.lib.tidegate_q8_row_bytes(k), dtype=torch.uint8)
+        if m:
+            self._quantize_rows_q8(x.data_ptr(), x.stride(0), m, k, out.data_ptr(),
+                                   torch.get_num_threads())
         return out
 
     def fp8_linear(self, x: torch.Tensor, weight: Fp8Weight,
@@ -264,6 +323,16 @@ class NativeCpuKernels:
                            torch.get_num_threads())
         return out, new_res
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``kernels.activation.silu_and_mul_ref`` for 2-D float32 CPU rows (see
+        ``silu_and_mul_applies``)."""
+        m, two_i = x.shape
+        out = torch.empty(m, two_i // 2)
+        if m:
+            self._silu_mul(x.data_ptr(), x.stride(0), out.data_ptr(), m, two_i // 2,
+                           torch.get_num_threads())
+        return out
+
     def rotary_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         positions: torch.Tensor, cache: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -278,37 +347,83 @@ class NativeCpuKernels:
             self._rotary_store_kv(
                 q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                 positions.data_ptr(), cache.data_ptr(), key_cache.data_ptr(),
-                value_cache.data_ptr(), slots.data_ptr(), t, hq, hk, d, torch.get_num_threads())
+                value_cache.data_ptr(), slots.data_ptr(), t, hq, hk, d,
+                int(key_cache.dtype == torch.int8), torch.get_num_threads())
         return q, k
 
     def paged_decode(
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     ) -> torch.Tensor:
-        """Decode attention over the paged cache -> [B, Hq, D]; see the C source for layouts."""
+        """Decode attention over the paged cache -> [B, Hq, D]; see the C source for layouts
+        (float32 caches, or int8 ones of 8-bit heads: ``kernels.paged_attention.kv_int8``)."""
         b, hq, d = q.shape
-        _, block_size, hk, dk = key_cache.shape
-        for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
-            if t.dtype != torch.float32 or t.device.type != "cpu":
-                raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
-        if dk != d or hq % hk or value_cache.shape != key_cache.shape:
-            raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(key_cache.shape)}")
+        _, block_size, hk, _ = key_cache.shape
+        _check_attention_operands(q, key_cache, value_cache)
         if block_tables.shape[0] != b or seq_lens.shape != (b,):
             raise ValueError("block_tables and seq_lens need one row per query")
         q = q.contiguous()
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
-        if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-            raise ValueError("caches must be contiguous")
         out = torch.empty_like(q)
         rc = self._paged_decode(
             q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), out.data_ptr(), b, hq, hk, d, block_size, tables.shape[1],
-            float(scale), torch.get_num_threads(),
+            float(scale), int(key_cache.dtype == torch.int8), torch.get_num_threads(),
         )
         if rc != 0:
             raise MemoryError("paged decode kernel could not allocate its scratch memory")
         return out
+
+    def paged_prefill(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_table: torch.Tensor, start: int, scale: float,
+                      out: torch.Tensor) -> None:
+        """One sequence's prompt chunk q [T, Hq, D] (positions start .. start+T-1, their keys
+        and values stored) attending causally into ``out`` [T, Hq, D] contiguous: each row with
+        the decode kernel's arithmetic, so a token gets the same bits either way. Caches and
+        q as ``paged_decode`` checks them."""
+        t, hq, d = q.shape
+        _, block_size, hk, _ = key_cache.shape
+        _check_attention_operands(q, key_cache, value_cache)
+        if -(-(start + t) // block_size) > block_table.shape[0]:
+            raise ValueError(f"block table of {block_table.shape[0]} blocks does not cover "
+                             f"{start + t} tokens")
+        q = q.contiguous()
+        table = block_table.to(torch.int32).contiguous()
+        if t and self._paged_prefill(
+                q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), table.data_ptr(),
+                start, out.data_ptr(), t, hq, hk, d, block_size, float(scale),
+                int(key_cache.dtype == torch.int8), torch.get_num_threads()) != 0:
+            raise MemoryError("paged prefill kernel could not allocate its scratch memory")
+
+
+def _check_attention_operands(q: torch.Tensor, key_cache: torch.Tensor,
+                              value_cache: torch.Tensor) -> None:
+    """q [T, Hq, D] float32 against contiguous CPU caches [blocks, bs, Hk, D] float32 or
+    [blocks, bs, Hk, D + 4] int8 (8-bit heads and their scales): ValueError naming the misfit."""
+    d, (hk, dk) = q.shape[-1], key_cache.shape[2:]
+    if q.dtype != torch.float32 or q.device.type != "cpu":
+        raise ValueError(f"q must be a float32 CPU tensor, got {q.dtype} on {q.device}")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dtype not in (torch.float32, torch.int8) or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a float32 or int8 CPU tensor, got {t.dtype} on "
+                             f"{t.device}")
+        if not t.is_contiguous():
+            raise ValueError("caches must be contiguous")
+    want = d + 4 if key_cache.dtype == torch.int8 else d
+    if (dk != want or q.shape[1] % hk or value_cache.shape != key_cache.shape
+            or value_cache.dtype != key_cache.dtype):
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(key_cache.shape)} "
+                         f"{key_cache.dtype}")
+
+
+def _check_rc(rc: int, what: str) -> None:
+    """The projection kernels' return codes: -2 out of scratch memory, other non-zero: the
+    weight's format or shape is not one the kernel computes."""
+    if rc == -2:
+        raise MemoryError(f"{what}: the kernel could not allocate its scratch memory")
+    if rc != 0:
+        raise ValueError(f"{what}: not computed by this kernel")
 
 
 def _projection_operands(x: torch.Tensor, shape: tuple[int, int], add: torch.Tensor | None
@@ -369,14 +484,22 @@ def rms_norm_applies(x: torch.Tensor, weight: torch.Tensor,
             and native_kernels() is not None)
 
 
+def silu_and_mul_applies(x: torch.Tensor) -> bool:
+    """Whether the native SwiGLU serves x [T, 2I]: float32 CPU rows with unit column stride."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+            and x.shape[1] % 2 == 0 and x.stride(1) == 1 and native_kernels() is not None)
+
+
 def rotary_store_kv_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cache: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether the native rotary + store serves these: float32 CPU, heads packed per token,
-    contiguous float32 cache and caches."""
+    contiguous float32 rotary cache, contiguous caches (float32, or int8 8-bit heads)."""
     d = q.shape[-1]
     return (q.device.type == "cpu" and q.dim() == 3 and k.dim() == 3 and v.dim() == 3
             and all(t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == d
                     for t in (q, k, v))
             and cache.dtype == torch.float32 and cache.is_contiguous()
-            and key_cache.dtype == torch.float32 and key_cache.is_contiguous()
+            and key_cache.is_contiguous() and (
+                key_cache.dtype == torch.float32 and key_cache.shape[-1] == d
+                or key_cache.dtype == torch.int8 and key_cache.shape[-1] == d + 4)
             and cache.shape[-1] == d and native_kernels() is not None)

@@ -12,20 +12,33 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul_ref
+from kernels.decoder_layer import DecoderWeights, LayerCall
 from kernels.dispatch import SERVE_ROWS, use_triton
 from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from kernels.linear import linear as linear_impl
-from kernels.native_cpu import native_kernels, rms_norm_applies, rotary_store_kv_applies
+from kernels.native_cpu import (
+    native_kernels,
+    rms_norm_applies,
+    rotary_store_kv_applies,
+    silu_and_mul_applies,
+)
 from kernels.packed_weight import PackedWeight
-from kernels.paged_attention import PagedAttentionMetadata, paged_decode_attention, store_kv_ref
+from kernels.paged_attention import (
+    PagedAttentionMetadata,
+    PagedLayer,
+    paged_decode_attention,
+    store_kv_ref,
+)
 from kernels.paged_attention import paged_attention as paged_attention_cpu
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import rotary_ref
 
-__all__ = ["embedding", "fuses_projections", "linear", "norm_linear", "norm_project",
-           "paged_attention", "paged_decode", "rms_norm", "rotary", "rotary_store_kv",
-           "silu_and_mul", "silu_project", "store_kv"]
+__all__ = ["decoder_layer", "embedding", "fuses_projections", "linear", "norm_linear",
+           "norm_project", "paged_attention", "paged_decode", "rms_norm", "rotary",
+           "rotary_store_kv", "silu_and_mul", "silu_project", "store_kv"]
+
+_layer_call: LayerCall | None = None
 
 
 def fuses_projections(x: torch.Tensor) -> bool:
@@ -131,6 +144,22 @@ def _fp8_linear_triton(x: torch.Tensor, weight: Fp8Weight, *,
     return fp8_gemm(x, weight, silu=silu, add=add)
 
 
+def decoder_layer(hidden: torch.Tensor, residual: torch.Tensor | None, weights: DecoderWeights,
+                  positions: torch.Tensor, rope_cache: torch.Tensor, paged: PagedLayer
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A whole decoder layer of a step in one native call: (hidden, residual) after it, the
+    op-by-op path's bits. None where that call does not serve (it needs the CPU's native
+    kernels and every projection on 8-bit activations): the caller goes op by op."""
+    global _layer_call
+    if hidden.device.type != "cpu" or (native := native_kernels()) is None:
+        return None
+    if _layer_call is None or _layer_call.native is not native:
+        _layer_call = LayerCall(native)
+    if not _layer_call.applies(hidden, weights, paged):
+        return None
+    return _layer_call(hidden, residual, weights, positions, rope_cache, paged)
+
+
 def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
     """Rows ``ids`` [T] of the embedding matrix -> [T, H] (packed: only those rows
     dequantized)."""
@@ -188,6 +217,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from kernels.activation_triton import silu_and_mul_triton
 
         return silu_and_mul_triton(x)
+    if silu_and_mul_applies(x):
+        return native_kernels().silu_and_mul(x)  # type: ignore[union-attr]
     return silu_and_mul_ref(x)
 
 

@@ -9,16 +9,21 @@ matrix except ``dequantize`` itself, the reference the kernels are checked again
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
+from kernels.q8_activations import check_activations
+
 # The types the packed kernels compute (kernels/csrc/packed_linear_cpu.c), by GGML type id.
 PACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
+# Those multiplied with 8-bit activations in the "int8" mode (csrc/q8_linear_cpu.c); float
+# matrices (F32, F16, BF16) always take float activations.
+Q8_TYPES = PACKED_TYPES - {GGMLQuantizationType[name] for name in ("F32", "F16", "BF16")}
 
 
 class UnsupportedType(ValueError):
@@ -48,10 +53,23 @@ class Part:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A [N, K] matrix as packed row ranges (``parts``, top to bottom)."""
+    """A [N, K] matrix as packed row ranges (``parts``, top to bottom), and the activations the
+    CPU multiplies it with (``kernels.q8_activations``: "float" or "int8")."""
 
     shape: tuple[int, int]
     parts: tuple[Part, ...]
+    activations: str = "float"
+
+    def __post_init__(self) -> None:
+        check_activations(self.activations)
+
+    def with_activations(self, activations: str) -> PackedWeight:
+        return replace(self, activations=activations)
+
+    def takes_int8(self, part: Part) -> bool:
+        """Whether ``part`` multiplies 8-bit activations: the "int8" mode, a quantized type,
+        rows of whole blocks of 32."""
+        return self.activations == "int8" and part.qtype in Q8_TYPES and self.shape[1] % 32 == 0
 
     @classmethod
     def from_bytes(cls, qtype: int, shape: tuple[int, int], data: torch.Tensor | np.ndarray
@@ -78,14 +96,16 @@ class PackedWeight:
                 parts[-1] = Part(part.qtype, torch.cat([parts[-1].data, part.data]))
             else:
                 parts.append(part)
-        return cls((sum(w.shape[0] for w in weights), cols.pop()), tuple(parts))
+        return cls((sum(w.shape[0] for w in weights), cols.pop()), tuple(parts),
+                   weights[0].activations)
 
     def permute_rows(self, order: torch.Tensor) -> PackedWeight:
         """Rows reordered within one part (llama.cpp's q/k interleave undone at load)."""
         if len(self.parts) != 1:
             raise ValueError("rows are permuted per GGUF tensor, before stacking")
         part = self.parts[0]
-        return PackedWeight(self.shape, (Part(part.qtype, part.data[order].contiguous()),))
+        return PackedWeight(self.shape, (Part(part.qtype, part.data[order].contiguous()),),
+                            self.activations)
 
     @property
     def types(self) -> tuple[str, ...]:

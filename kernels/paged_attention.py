@@ -1,7 +1,10 @@
 """Attention over the paged KV cache: store this step's keys and values, then attend.
 
 The cache of one layer is a pair of tensors ``[num_blocks, block_size, Hk, D]``; slot
-``block_id * block_size + offset`` is one token. A step's batch is flat (``[T, ...]`` tokens of
+``block_id * block_size + offset`` is one token. On the CPU the cache may hold 8-bit heads
+(``--kv-cache-dtype int8``): int8 ``[num_blocks, block_size, Hk, D + 4]``, each head's D values
+rounded to ``x / s`` with ``s = max|x| / 127`` and the float32 ``s`` in its last 4 bytes
+(``quantize_kv_ref``), written and read only by the native kernels. A step's batch is flat (``[T, ...]`` tokens of
 many sequences, decodes first) and described by ``PagedAttentionMetadata``: plain tensors a
 Triton kernel can take as they are, plus host copies of the lengths so torch loops never sync.
 """
@@ -90,6 +93,17 @@ class PagedAttentionMetadata:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class PagedLayer:
+    """A step over one layer's paged cache: what a whole-layer kernel needs besides the layer's
+    weights (``kernels.decoder_layer``)."""
+
+    key_cache: torch.Tensor  # [num_blocks, block_size, Hk, D]
+    value_cache: torch.Tensor
+    meta: PagedAttentionMetadata
+    scale: float
+
+
 def upload(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A tensor of host values on ``device`` (``to_device``)."""
     return to_device(torch.tensor(values, dtype=dtype), device)
@@ -135,6 +149,32 @@ def decode_buckets(lens: list[int], device: torch.device | str
     )
 
 
+def kv_int8(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` holds 8-bit heads (the CPU's int8 cache) rather than floats."""
+    return cache.dtype == torch.int8
+
+
+def quantize_kv_ref(x: torch.Tensor) -> torch.Tensor:
+    """Heads x [..., D] float32 as the int8 cache stores them: [..., D + 4] int8."""
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    s = amax * (torch.tensor(1.0) / torch.tensor(127.0))
+    inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
+    q = torch.round(x * inv).to(torch.int8)
+    return torch.cat([q, s.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv_ref(cache: torch.Tensor) -> torch.Tensor:
+    """An int8 cache [..., D + 4] as the floats it stands for, [..., D] float32."""
+    scale = cache[..., -4:].contiguous().view(torch.float32)
+    return cache[..., :-4].float() * scale
+
+
+def _float_only(cache: torch.Tensor) -> None:
+    if kv_int8(cache):
+        raise ValueError("an int8 KV cache is read and written by the native CPU kernels only "
+                         "(TIDEGATE_KERNELS auto or native, float32 on the CPU)")
+
+
 def store_kv_ref(
     key: torch.Tensor,  # [T, Hk, D]
     value: torch.Tensor,  # [T, Hk, D]
@@ -143,6 +183,7 @@ def store_kv_ref(
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
     """Write each token's key and value into its slot, in place; slots < 0 are padding."""
+    _float_only(key_cache)
     keep = slot_mapping >= 0  # boolean indexing syncs on a GPU; the Triton kernel won't
     slots = slot_mapping[keep]
     for src, cache in ((key, key_cache), (value, value_cache)):
@@ -245,10 +286,14 @@ def paged_attention(
 ) -> torch.Tensor:
     """The step's attention: decodes batched, prefill chunks per sequence -> [T, Hq, D].
 
-    Decodes in float32 on the CPU go to the native kernel, which reads the cache in place;
-    elsewhere (and with ``TIDEGATE_KERNELS=reference``) to the gather + SDPA path below.
+    Decodes in float32 on the CPU go to the native kernel, which reads the cache in place,
+    and so do prompt chunks, row by row with the decodes' arithmetic (a token's attention then
+    does not depend on whether a decode or a prompt chunk computed it); elsewhere (and with
+    ``TIDEGATE_KERNELS=reference``) to the gather + SDPA paths below.
     """
     check_shapes(q, key_cache, value_cache, meta)
+    if not native_decode_applies(q):
+        _float_only(key_cache)
     nd, block_size = meta.num_decodes, key_cache.shape[1]
     decode = None
     native = native_kernels() if nd and native_decode_applies(q) else None
@@ -272,6 +317,17 @@ def paged_attention(
     out = torch.empty_like(q)
     if decode is not None:
         out[:nd] = decode
+    if native_decode_applies(q):  # float32 CPU: each row as a decode computes it
+        native = native_kernels()
+        assert native is not None
+        start = nd
+        for row in range(nd, len(meta.seq_lens_host)):
+            seq_len, q_len = meta.seq_lens_host[row], meta.query_lens_host[row]
+            native.paged_prefill(q[start:start + q_len], key_cache, value_cache,
+                                 meta.block_tables[row], seq_len - q_len, scale,
+                                 out[start:start + q_len])
+            start += q_len
+        return out
     paged_prefill_attention(
         q[nd:], key_cache, value_cache, meta.block_tables[nd:], meta.seq_lens_host[nd:],
         meta.query_lens_host[nd:], scale, out=out[nd:],
@@ -291,13 +347,15 @@ def check_shapes(
 
 def check_cache_layout(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
                        ) -> None:
-    """q [T, Hq, D] against caches [blocks, block_size, Hk, D]: ValueError naming the problem."""
+    """q [T, Hq, D] against caches [blocks, block_size, Hk, D] (int8: D + 4): ValueError naming
+    the problem."""
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError(f"caches must both be [blocks, block_size, Hk, D], got "
                          f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("caches must be contiguous")
     hk, d = key_cache.shape[2:]
+    d -= 4 if kv_int8(key_cache) else 0  # 8-bit heads end with their scale
     if q.dim() != 3 or q.shape[2] != d or q.shape[1] % hk:
         raise ValueError(f"q must be [T, Hq, {d}] with Hq a multiple of {hk}, "
                          f"got {tuple(q.shape)}")

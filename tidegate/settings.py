@@ -29,15 +29,21 @@ class Settings(BaseSettings):
     quantize: str = Field(default="none", pattern="^(none|fp8|rtn-int8|rtn-int4)$",
                           description="round a float model's projections at load: fp8 (e4m3, "
                                       "W8A8 on CUDA), rtn-int8, rtn-int4 (groups of 128)")
+    cpu_activations: str = Field(default="auto", pattern="^(auto|float|int8)$",
+                                 description="what the CPU multiplies packed matrices with: "
+                                             "int8 (rows rounded to 8-bit blocks, integer dot "
+                                             "products, as llama.cpp), float (the dequantized "
+                                             "model's outputs exactly), auto: int8")
     max_num_seqs: int = Field(default=32, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
     block_size: int = Field(default=16, ge=1, le=256)
     kv_cache_gb: float | None = Field(default=None, gt=0,
                                       description="None: 2 GiB on CPU, a fraction on CUDA")
     kv_cache_memory_fraction: float = Field(default=0.9, gt=0, le=1)
-    kv_cache_dtype: str = Field(default="auto", pattern="^(auto|fp8)$",
+    kv_cache_dtype: str = Field(default="auto", pattern="^(auto|fp8|int8)$",
                                 description="auto: the model's dtype; fp8: e4m3 (CUDA), twice "
-                                            "the tokens in the same memory")
+                                            "the tokens in the same memory; int8: 8-bit heads "
+                                            "with a scale each (CPU), 3.8x float32's tokens")
     prefix_caching: bool = True
     # CUDA: replay decode steps from CUDA graphs captured at start-up (False: eager steps).
     cuda_graphs: bool = True

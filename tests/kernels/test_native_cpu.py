@@ -203,3 +203,87 @@ def test_native_rotary_store_kv_matches_the_reference(tokens: int,
     assert got_q.data_ptr() == q.data_ptr()  # rotated where they lie
     assert torch.allclose(got_q, want_q, atol=1e-5) and torch.allclose(got_k, want_k, atol=1e-5)
     assert torch.allclose(key_cache, want_kc, atol=1e-5) and torch.equal(value_cache, want_vc)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 70])
+def test_native_silu_and_mul_matches_the_reference(rows: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDEGATE_KERNELS", "native")
+    from kernels.activation import silu_and_mul_ref
+
+    wide = torch.randn(rows, 3100) * 6
+    x = wide[:, 10:3082]  # a strided view: gate then up, 1536 each
+    x[0, 0], x[0, 1] = -200.0, 200.0  # saturated: silu -> 0 and x
+    assert native_cpu.silu_and_mul_applies(x)
+    got = ops.silu_and_mul(x)
+    torch.testing.assert_close(got, silu_and_mul_ref(x), rtol=2e-6, atol=1e-6)
+    alone = torch.cat([ops.silu_and_mul(x[i:i + 1]) for i in range(rows)])
+    assert torch.equal(alone, got)  # per row, whatever the batch
+
+
+def test_a_prompt_chunk_attends_with_the_decodes_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row of a prompt chunk (after a cached prefix) equals the decode of that token
+    over the same cache: a token's attention does not depend on how its step was made up."""
+    monkeypatch.setenv("TIDEGATE_KERNELS", "native")
+    batch = make_batch([(50, 13)], hq=9, hk=3, d=64, block_size=16, dtype=torch.float32)
+    chunk = ops.paged_attention(batch.q, batch.key_cache, batch.value_cache, batch.meta,
+                                batch.scale)
+    assert_close(chunk, batch.expected, torch.float32)
+    table = batch.meta.block_tables[:1]
+    for i in range(13):
+        alone = native().paged_decode(batch.q[i:i + 1], batch.key_cache, batch.value_cache,
+                                      table, torch.tensor([50 - 13 + i + 1]), batch.scale)
+        assert torch.equal(alone[0], chunk[i]), i
+
+
+def test_an_int8_cache_stores_each_head_rounded_with_its_scale(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDEGATE_KERNELS", "native")
+    from kernels.paged_attention import quantize_kv_ref
+    from kernels.rotary import cos_sin_cache, rotary_ref
+
+    hq, hk, d, tokens = 9, 3, 64, 7
+    cache = cos_sin_cache(d, 4096, 10_000.0, None)
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d) * 3
+    q, k, v = (t.view(tokens, -1, d) for t in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+    v[2, 1] = 0.0  # an all-zero head: scale 0, values 0
+    positions = torch.randint(0, 4096, (tokens,))
+    slots = torch.tensor([5, -1, 0, 17, 3, 30, 9])
+    key_cache = torch.zeros(4, 8, hk, d + 4, dtype=torch.int8)
+    value_cache = torch.zeros_like(key_cache)
+    want_q, want_k = rotary_ref(q.clone(), k.clone(), positions, cache)
+    assert native_cpu.rotary_store_kv_applies(q, k, v, cache, key_cache)
+    ops.rotary_store_kv(q, k, v, positions, cache, key_cache, value_cache, slots)
+    torch.testing.assert_close(q, want_q, atol=1e-5, rtol=1e-5)
+    kept = slots >= 0
+    for got, src in ((key_cache, k), (value_cache, v)):
+        stored = got.view(-1, hk, d + 4)[slots[kept]]
+        assert torch.equal(stored, quantize_kv_ref(src[kept]))  # k as rotated, in place
+    assert not key_cache.view(-1, hk, d + 4)[1].any()  # slot -1: nothing written
+
+
+@pytest.mark.parametrize(("hq", "hk", "d"), [(9, 3, 64), (8, 2, 128)])
+def test_attention_over_an_int8_cache_is_attention_over_its_values(
+        hq: int, hk: int, d: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes and prompt chunks (MIXED) against the reference path on the dequantized cache;
+    a chunk's rows are the decodes' bits, as with a float cache."""
+    from kernels.paged_attention import dequantize_kv_ref, quantize_kv_ref
+
+    b = make_batch(MIXED, hq=hq, hk=hk, d=d, block_size=16, dtype=torch.float32)
+    key8, value8 = quantize_kv_ref(b.key_cache), quantize_kv_ref(b.value_cache)
+    monkeypatch.setenv("TIDEGATE_KERNELS", "reference")
+    want = ops.paged_attention(b.q, dequantize_kv_ref(key8), dequantize_kv_ref(value8), b.meta,
+                               b.scale)
+    with pytest.raises(ValueError, match="int8 KV cache is read and written by the native"):
+        ops.paged_attention(b.q, key8, value8, b.meta, b.scale)
+    monkeypatch.setenv("TIDEGATE_KERNELS", "native")
+    got = ops.paged_attention(b.q, key8, value8, b.meta, b.scale)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    meta, start = b.meta, b.meta.query_start_loc_host
+    for row in range(meta.num_decodes, len(meta.seq_lens_host)):  # prompt chunks
+        seq_len, q_len = meta.seq_lens_host[row], meta.query_lens_host[row]
+        for i in range(q_len):
+            alone = native().paged_decode(
+                b.q[start[row] + i:start[row] + i + 1], key8, value8,
+                meta.block_tables[row:row + 1], torch.tensor([seq_len - q_len + i + 1]), b.scale)
+            assert torch.equal(alone[0], got[start[row] + i])

@@ -57,10 +57,12 @@ def test_packed_linear_matches_dequantize_then_matmul(native, qtype: T, m: int) 
             add = torch.from_numpy(rng.standard_normal((m, rows)).astype(np.float32))
             want = packed_linear_ref(x.double(), weight, add.double())
             got = native.packed_linear(x, weight, add)
-            scale = want.abs().max().item() + 1e-30
-            assert (got.double() - want).abs().max().item() / scale < 1e-5, (rows, cols)
+            # float32 sums err by a few roundings of the sum of the products' magnitudes, each
+            # output its own (one near zero is a cancellation of larger terms)
+            bound = 1e-5 * (x.double().abs() @ weight.dequantize().double().abs().T + add.abs())
+            assert bool(((got.double() - want).abs() <= bound).all()), (rows, cols)
             plain = native.packed_linear(x, weight)  # no add: the same products
-            assert torch.allclose(plain + add, got, rtol=1e-6, atol=1e-6 * scale)
+            assert bool(((plain + add - got).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

@@ -31,6 +31,7 @@ from transformers import LlamaForCausalLM
 from kernels.int_weight import IntWeight
 from tests.worker.tiny_checkpoints import tiny_hf_model, write_hf_dir
 from tidegate.model_files.model_source import ModelLoadError
+from worker.models.loaders.loader import LoadedModel, load_model
 from worker.models.loaders.quantized.quantized_safetensors import QuantizedSafetensors
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: field i <- column 8c + AWQ_ORDER[i]
@@ -186,3 +187,9 @@ def _awq_columns(words: torch.Tensor) -> np.ndarray:
 
 def _float32(values: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def load_exact_model(spec: str, **kwargs: object) -> LoadedModel:
+    """``load_model`` on the CPU's float-activation path, for the tests that compare a
+    checkpoint's model with its dequantized reference exactly (the 8-bit path has its own)."""
+    return load_model(spec, cpu_activations="float", **kwargs)  # type: ignore[arg-type]

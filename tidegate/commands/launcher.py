@@ -134,12 +134,13 @@ def _spawn_worker(settings: Settings) -> subprocess.Popen:
     env["TIDEGATE_MODEL"] = settings.model
     env["TIDEGATE_DEVICE"] = settings.device
     env["TIDEGATE_DTYPE"] = settings.dtype
+    env["TIDEGATE_WEIGHTS"] = settings.weights
+    env["TIDEGATE_CPU_ACTIVATIONS"] = settings.cpu_activations
     env["TIDEGATE_MAX_NUM_SEQS"] = str(settings.max_num_seqs)
     env["TIDEGATE_MAX_NUM_BATCHED_TOKENS"] = str(settings.max_num_batched_tokens)
     if settings.kv_cache_gb is not None:
         env["TIDEGATE_KV_CACHE_GB"] = str(settings.kv_cache_gb)
     env["TIDEGATE_KV_CACHE_DTYPE"] = settings.kv_cache_dtype
-    env["TIDEGATE_WEIGHTS"] = settings.weights
     env["TIDEGATE_QUANTIZE"] = settings.quantize
     return subprocess.Popen([sys.executable, "-m", "tidegate", "worker"], env=env)
 

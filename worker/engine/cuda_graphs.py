@@ -54,6 +54,9 @@ class GraphDecodeAttention:
         return ops.paged_decode(q, key_cache, value_cache, self.block_tables, self.seq_lens,
                                 self.scale, self.num_splits)
 
+    def paged_layer(self, layer: int) -> None:
+        return None  # captured steps run op by op (the whole-layer kernel is the CPU's)
+
 
 @dataclass(frozen=True, slots=True)
 class _Captured:

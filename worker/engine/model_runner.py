@@ -15,7 +15,7 @@ import torch
 
 from kernels import ops
 from kernels.native_cpu import native_kernels
-from kernels.paged_attention import PagedAttentionMetadata, upload
+from kernels.paged_attention import PagedAttentionMetadata, PagedLayer, upload
 from worker.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker.engine.sampler import Sampler, SamplerLaunch, SamplerOutput
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -43,6 +43,10 @@ class PagedAttention:
         q, k = ops.rotary_store_kv(q, k, v, positions, rope_cache, key_cache, value_cache,
                                    self.meta.slot_mapping)
         return ops.paged_attention(q, key_cache, value_cache, self.meta, self.scale)
+
+    def paged_layer(self, layer: int) -> PagedLayer:
+        return PagedLayer(self.kv_cache[layer, 0], self.kv_cache[layer, 1], self.meta,
+                          self.scale)
 
 
 @dataclass(frozen=True, slots=True)

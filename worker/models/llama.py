@@ -17,9 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
+from kernels.decoder_layer import DecoderWeights
 from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from kernels.packed_weight import PackedWeight
+from kernels.paged_attention import PagedLayer
 from kernels.rotary import Llama3Scaling, cos_sin_cache
 from worker.models.packed_modules import PackedEmbedding, PackedLinear, PackedMatrix
 
@@ -65,6 +67,11 @@ class AttentionBackend(Protocol):
         positions [T] -> attention output [T, Hq, D]."""
         ...
 
+    def paged_layer(self, layer: int) -> PagedLayer | None:
+        """Layer ``layer``'s paged cache and the step's metadata, so a whole-layer kernel may
+        run the layer; None where there is no paged cache to hand over."""
+        ...
+
 
 class CausalAttention:
     """One sequence, no cache: plain causal attention over the whole input (tests, scoring)."""
@@ -80,6 +87,9 @@ class CausalAttention:
             is_causal=True, enable_gqa=True,
         )
         return out[0].transpose(0, 1)
+
+    def paged_layer(self, layer: int) -> PagedLayer | None:
+        return None
 
 
 class DecoderLayer(nn.Module):
@@ -109,11 +119,17 @@ class DecoderLayer(nn.Module):
 
         Few rows on a GPU (``ops.fuses_projections``): every projection is a weight stream, so
         each norm goes into the projection after it and each residual add into the one before
-        it; ``hidden`` then is the whole stream and ``residual`` stays None. Otherwise the
-        residual add goes into the RMSNorm kernel and the projections are plain GEMMs (e4m3
-        weights: the norm and SiLU kernels hand them rows already rounded to e4m3)."""
+        it; ``hidden`` then is the whole stream and ``residual`` stays None. On the CPU with
+        8-bit activations the whole layer is one native call (``ops.decoder_layer``).
+        Otherwise the residual add goes into the RMSNorm kernel and the projections are plain
+        GEMMs (e4m3 weights: the norm and SiLU kernels hand them rows already rounded to
+        e4m3)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
+        paged = attn.paged_layer(layer)
+        if paged is not None and (done := ops.decoder_layer(
+                hidden, residual, self.weights(), positions, rope_cache, paged)) is not None:
+            return done
         if residual is None and ops.fuses_projections(hidden):
             qkv = ops.norm_linear(hidden, self.input_norm, eps, self.qkv_proj.weight)
             out = self._attention(qkv, positions, rope_cache, attn, layer)
@@ -128,6 +144,14 @@ class DecoderLayer(nn.Module):
         gate_up, residual = ops.norm_project(hidden, self.post_attn_norm, eps, residual,
                                              self.gate_up_proj.weight)
         return ops.silu_project(gate_up, self.down_proj.weight), residual
+
+    def weights(self) -> DecoderWeights:
+        """The layer's parameters, as a whole-layer kernel reads them."""
+        cfg = self.cfg
+        return DecoderWeights(self.input_norm, self.post_attn_norm, self.qkv_proj.weight,
+                              self.o_proj.weight, self.gate_up_proj.weight,
+                              self.down_proj.weight, cfg.num_heads, cfg.num_kv_heads,
+                              cfg.head_dim, cfg.rms_norm_eps)
 
     def _attention(self, qkv: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
                    attn: AttentionBackend, layer: int) -> torch.Tensor:

@@ -6,7 +6,8 @@ table (``PackedEmbedding``) in GGUF block formats.
 They stand in for ``nn.Linear`` / ``nn.Embedding`` in a model whose file is quantized: the model
 calls ``ops.linear(x, module.weight)`` and ``module(ids)`` either way, and the kernels read the
 blocks directly. The weight is a plain attribute, not a parameter: it is never trained, cast or
-moved by ``Module.to``.
+moved by ``Module.to``. ``use_activations`` sets what the CPU multiplies them with
+(``kernels.q8_activations``: float32 or 8-bit activations).
 """
 
 from __future__ import annotations
@@ -51,3 +52,11 @@ class PackedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {'+'.join(self.weight.types)}"
+
+
+def use_activations(model: nn.Module, activations: str) -> None:
+    """Every packed matrix of ``model`` multiplies ``activations`` ("float" or "int8") on the
+    CPU from now on (a tied LM head is its embedding's matrix: it follows)."""
+    for module in model.modules():
+        if isinstance(module, PackedLinear | PackedEmbedding):
+            module.weight = module.weight.with_activations(activations)

@@ -442,12 +442,13 @@ def build_engine(settings: Settings) -> Engine:
     dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
     packed = {"auto": None, "packed": True, "dequantized": False}[settings.weights]
     loaded = load_model(settings.model, device=settings.device, dtype=dtype, packed=packed,
-                        quantize=settings.quantize)
+                        quantize=settings.quantize, cpu_activations=settings.cpu_activations)
     packed_types = loaded.packed_types()
     log.info("loaded %s in %.1fs (%s, %s, %.1f MB of weights%s)", loaded.source.name,
              loaded.load_s, settings.device, next(loaded.model.parameters()).dtype,
              loaded.weight_bytes() / 1e6,
-             f", packed {'+'.join(packed_types)}" if packed_types else "")
+             f", packed {'+'.join(packed_types)}, {loaded.activations()} activations"
+             if packed_types else "")
     max_len = min(loaded.tokenizer.max_context, loaded.config.max_position_embeddings)
     return Engine(loaded.model, loaded.tokenizer, EngineConfig(
         max_model_len=max_len,

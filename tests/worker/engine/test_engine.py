@@ -24,7 +24,9 @@ SYSTEM = ("You are a meticulous assistant for a shipping company. Answer in one 
 
 @pytest.fixture(scope="module")
 def smollm2() -> LoadedModel:
-    return load_model("smollm2")
+    # Float activations: these tests hold the engine to transformers' tokens (8-bit
+    # activations are held to the float engine's in test_packed_engine.py).
+    return load_model("smollm2", cpu_activations="float")
 
 
 def make_engine(loaded: LoadedModel, **config: object) -> Engine:
@@ -223,5 +225,31 @@ def test_an_fp8_kv_cache_is_refused_off_cuda_by_name() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype fp8 needs a CUDA device"):
         Engine(loaded.model, loaded.tokenizer, EngineConfig(max_model_len=64,
                                                             kv_cache_dtype="fp8"))
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
-        EngineConfig(max_model_len=64, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, int8"):
+        EngineConfig(max_model_len=64, kv_cache_dtype="int4")
+
+
+def test_an_int8_kv_cache_holds_3_8_times_the_tokens_and_needs_the_native_kernels(
+        smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """8-bit heads plus a float32 scale each: 68 bytes a head instead of 256. The greedy text
+    of the default model stays the float cache's for its first 16 tokens on every chat here."""
+    def engine(kv: str) -> Engine:
+        return Engine(smollm2.model, smollm2.tokenizer, EngineConfig(
+            max_model_len=2048, kv_cache_gb=0.25, kv_cache_dtype=kv))
+
+    float_cache, int8_cache = engine("auto"), engine("int8")
+    assert int8_cache.kv_spec.num_tokens // 16 == float_cache.kv_spec.num_tokens * 256 // 68 // 16
+    for text in CHATS:
+        ids = chat_ids(smollm2, text)
+        got = {}
+        for name, e in (("float", float_cache), ("int8", int8_cache)):
+            e.add_request(EngineRequest(name, ids, SamplingParams(max_tokens=16,
+                                                                  temperature=0.0)))
+            outs: list[RequestOutput] = []
+            while e.has_unfinished():
+                outs += e.step()
+            got[name] = tokens(outs)
+        assert got["int8"] == got["float"], text
+    monkeypatch.setenv("TIDEGATE_KERNELS", "reference")
+    with pytest.raises(ValueError, match="kv_cache_dtype int8 needs a float32 model on the CPU"):
+        engine("int8")

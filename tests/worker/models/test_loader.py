@@ -149,7 +149,7 @@ def test_quantized_gguf_stays_packed_and_computes_its_dequantized_model(
         tmp_path: Path, kind: str) -> None:
     path = write_gguf(tiny_hf_model(tied=kind == "mixed"), tmp_path / f"{kind}.gguf",
                       **QUANTIZED[kind])
-    packed = load_model(str(path))
+    packed = load_model(str(path), cpu_activations="float")
     dequantized = load_model(str(path), packed=False)
     layer = packed.model.layers[1]
     assert isinstance(layer.qkv_proj, PackedLinear) and isinstance(layer.down_proj, PackedLinear)
@@ -219,3 +219,8 @@ def test_quantize_at_load_refuses_what_it_cannot_round(tmp_path: Path) -> None:
         load_model("random:tiny", quantize="int3")
     with pytest.raises(ModelLoadError, match="run on CUDA, or on the CPU in float32"):
         load_model("random:tiny", dtype=torch.bfloat16, quantize="rtn-int8")
+
+
+def test_an_unknown_cpu_activation_mode_is_refused_by_name() -> None:
+    with pytest.raises(ModelLoadError, match="cpu_activations must be one of auto, float, int8"):
+        load_model("random:tiny", cpu_activations="int4")

@@ -52,12 +52,18 @@ def test_packed_and_dequantized_weights_score_alike(tmp_path: Path) -> None:
     path = write_gguf(tiny_hf_model(tied=True), tmp_path / "q.gguf",
                       qtype=GGMLQuantizationType.Q4_1,
                       qtypes={"token_embd": GGMLQuantizationType.Q8_0})
-    packed, dequantized = load_model(str(path)), load_model(str(path), packed=False)
+    packed = load_model(str(path), cpu_activations="float")
+    dequantized = load_model(str(path), packed=False)
+    int8 = load_model(str(path))  # auto: 8-bit activations
     assert packed.packed_types() == ["Q4_1", "Q8_0"]
+    assert (packed.activations(), int8.activations(), dequantized.activations()) == (
+        "float", "int8", None)
     ids = packed.tokenizer.encode(TEXT)
     a = perplexity(packed.model, ids, context=64)
     b = perplexity(dequantized.model, ids, context=64)
-    assert a.ppl == pytest.approx(b.ppl, rel=1e-5)
+    assert a.ppl == pytest.approx(b.ppl, rel=1e-5)  # the condition: float rounding
+    c = perplexity(int8.model, ids, context=64)
+    assert c.ppl == pytest.approx(b.ppl, rel=0.02)  # rounded activations: close, not equal
 
 
 def eval_ppl(*args: str) -> subprocess.CompletedProcess[str]:
@@ -77,6 +83,12 @@ def test_the_command_reports_perplexity(tmp_path: Path) -> None:
     want = perplexity(loaded.model, loaded.tokenizer.encode(TEXT), context=64)
     assert report["ppl"] == pytest.approx(want.ppl, rel=1e-9)
     assert report["weights"] == "packed Q8_0" and report["tokens_scored"] == want.tokens_scored
+    assert report["activations"] == "int8"
+    exact = eval_ppl(str(model), "--text", str(text), "--context", "64", "--json",
+                     "--cpu-activations", "float")
+    floats = load_model(str(model), cpu_activations="float")
+    assert json.loads(exact.stdout)["ppl"] == pytest.approx(
+        perplexity(floats.model, floats.tokenizer.encode(TEXT), context=64).ppl, rel=1e-9)
     plain = eval_ppl(str(model), "--text", str(text), "--context", "64", "--weights",
                      "dequantized")
     assert plain.returncode == 0 and plain.stdout.startswith("perplexity ")

@@ -21,10 +21,10 @@ from kernels.rotary import Llama3Scaling
 from tests.worker.compressed_tensors_oracle import needs_compressed_tensors
 from tests.worker.hf_oracle import causal_logits
 from tests.worker.quantized_checkpoints import linear_names, random_int_weights
+from tests.worker.quantized_checkpoints import load_exact_model as load_model
 from tests.worker.tiny_checkpoints import tiny_hf_model, write_hf_dir
 from worker.models.llama import LlamaConfig, LlamaModel
 from worker.models.loaders.hf_weights import hf_llama_config
-from worker.models.loaders.loader import load_model
 from worker.models.loaders.quantized.quantized_safetensors import QuantizedSafetensors
 from worker.quantization.checkpoint_writer import write_checkpoint
 

@@ -144,10 +144,11 @@ async def test_overload_admitted_jobs_meet_deadlines_the_rest_are_rejected_fast(
     # and the burst.
     workers.start(model="smollm2", max_num_seqs=16, shedding_safety=2.5)
     await wait_for_workers(r, 1)
-    # Several times what one single-threaded CPU worker finishes in 10 s: 48 jobs of 32 tokens.
+    # Several times what one CPU worker finishes in 10 s: 64 jobs of 128 tokens (8-bit
+    # activations made 48 jobs of 32 fit inside the deadline).
     sent = {}
-    for i in range(48):
-        sent[await submit(r, prompt=f"job {i}: count to fifty", max_tokens=32, ignore_eos=True,
+    for i in range(64):
+        sent[await submit(r, prompt=f"job {i}: count to fifty", max_tokens=128, ignore_eos=True,
                           timeout_s=10)] = now_ms()
     # Poll the stored results (light on the CPU the worker needs) until every job has ended.
     results = {}

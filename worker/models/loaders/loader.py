@@ -14,6 +14,11 @@ A Hugging Face directory with a ``quantization_config`` (GPTQ, AWQ, compressed-t
 ``quantized/``) keeps its integer matrices as ``IntWeight``s and its FP8 ones as ``Fp8Weight``s,
 on the CPU (native kernel, float32) and on CUDA (Triton); elsewhere, or with ``packed=False``,
 they are dequantized.
+
+On the CPU, packed matrices multiply activations rounded to 8-bit blocks (``cpu_activations``
+"int8", the default: integer dot products, as llama.cpp computes the same file) or float32 ones
+("float": exactly the dequantized model's outputs; ``kernels.q8_activations``). FP8 matrices
+always take float32 ones there.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from worker.models.loaders.quantized.quantized_safetensors import (
     quantization_config,
 )
 from worker.models.loaders.random_weights import init_random_weights, preset_llama_config
-from worker.models.packed_modules import PackedMatrix
+from worker.models.packed_modules import PackedMatrix, use_activations
 
 
 @dataclass
@@ -61,10 +66,22 @@ class LoadedModel:
         counts = Counter(name for w in self._packed() for name in w.types)
         return [name for name, _ in counts.most_common()]
 
+    def activations(self) -> str | None:
+        """What the CPU multiplies the packed matrices with ("float" or "int8"); None if
+        nothing is packed."""
+        modes = {w.activations for w in self._packed()}
+        return "+".join(sorted(modes)) or None
+
     def _packed(self) -> Iterator[PackedMatrix]:
         for module in self.model.modules():
             if isinstance(weight := getattr(module, "weight", None), PackedMatrix):
                 yield weight
+
+
+# What packed matrices on the CPU multiply. auto is int8: what a llama.cpp user gets from the
+# same file, 2-3x faster projections (benchmarks/results/quantized_cpu.md), a perplexity
+# within 0.1% of float's; float keeps the dequantized model's outputs exactly.
+CPU_ACTIVATIONS = ("auto", "float", "int8")
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
@@ -80,6 +97,7 @@ def load_model(
     seed: int = 0,
     packed: bool | None = None,
     quantize: str | None = None,
+    cpu_activations: str = "auto",
 ) -> LoadedModel:
     """Load a model by spec ("smollm2", a directory, a .gguf file, "random:<preset>").
 
@@ -87,8 +105,13 @@ def load_model(
     matrices packed (None: wherever the packed kernels serve, i.e. float32 on the CPU with the
     native kernels built; False: dequantize everything). ``quantize`` (``fp8``, ``rtn-int8``,
     ``rtn-int4``; ``worker.quantization.online``): round a float model's projections at load.
+    ``cpu_activations``: what packed matrices on the CPU multiply, "int8" or "float"
+    (``CPU_ACTIVATIONS``; "auto": int8).
     Raises ``ModelLoadError`` naming what is wrong.
     """
+    if cpu_activations not in CPU_ACTIVATIONS:
+        raise ModelLoadError(f"cpu_activations must be one of {', '.join(CPU_ACTIVATIONS)}, "
+                             f"got {cpu_activations!r}")
     start = time.perf_counter()
     source = (resolve_model(spec_or_source) if isinstance(spec_or_source, str)
               else spec_or_source)
@@ -130,6 +153,8 @@ def load_model(
     loaded = LoadedModel(model, config, tokenizer, source, 0.0)
     if quantize not in (None, "none"):
         _quantize_at_load(loaded, quantize, device, dtype)
+    if torch.device(device).type == "cpu":
+        use_activations(model, "int8" if cpu_activations == "auto" else cpu_activations)
     loaded.load_s = time.perf_counter() - start
     return loaded
 

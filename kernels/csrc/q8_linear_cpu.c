@@ -1,0 +1,707 @@
+/* Projections with 8-bit activations on the CPU: y[M, N] = q8(x)[M, K] @ w[N, K]^T, where w is
+ * a quantized matrix (GGUF blocks, or integers with group scales) and every row of x is first
+ * rounded to 8-bit blocks, as llama.cpp does: the products are integer dot products
+ * (AVX512-VNNI vpdpbusd: 64 byte products per instruction) instead of float FMAs on weights
+ * unpacked to floats (packed_linear_cpu.c, the exact mode).
+ *
+ * Activations (tidegate_quantize_rows_q8): each row independently, in blocks of 32 columns,
+ * d = max|x| / 127 (computed as max|x| * (1/127)), q = round-to-nearest-even(x / d) as
+ * x * (1 / d), so x ~= d * q with q in -127..127. A quantized row is one record of
+ * tidegate_q8_row_bytes(K) = 1.5 K bytes: q [K] int8, then float32 d [K/32], xs32 [K/32] and
+ * xs16 [K/16], where xs is d times the sum of q over the 32 (or 16) columns (the zero-point
+ * and minimum terms need it). One row's record never depends on the other rows.
+ *
+ * Weights as unsigned codes: every supported format is, per run of 32 columns (a "step"; 16
+ * for Q6_K and 16-column integer groups), w = d_s * c + m_s with c an unsigned integer code
+ * and d_s, m_s floats: Q4_1/Q5_1 (c the nibble, m the block minimum), Q4_0/Q5_0 (m = -8 d,
+ * -16 d), Q8_0 (c = q + 128, m = -128 d), Q4_K/Q5_K (d_s = d * scale, m_s = -dmin * min),
+ * Q6_K (d_s = d * scale, m_s = -32 d_s), integers (d_s = scale, m_s = -zero * scale). So
+ *     dot(w, x) over a step = d_s * dx * sum(c * q) + m_s * xs.
+ *
+ * The arithmetic, the same on every path and for every batch (a row's result does not depend
+ * on how many rows its step had, nor on which path or thread computed it): for each output
+ * (row m of x, row n of w), over the steps s in column order,
+ *     i = sum over the step of c * q           (exact, 32-bit integers)
+ *     accd = fma((float)i, d_s * dx, accd)
+ *     accm = fma(m_s, xs, accm)
+ * and y = (accd + accm) (+ add).
+ *
+ * Paths, chosen when the shared object is compiled (-march=native on the machine that runs it):
+ * * AVX512-VNNI: 16 weight rows per vector, one row per 32-bit lane. For each block of 32
+ *   columns the 16 rows' codes are gathered 4 bytes at a time into 8 vectors (lane r holds
+ *   row r's codes of 4 columns), so vpdpbusd against the activation's 4 bytes broadcast
+ *   adds 4 products per lane and the float steps above run lane by lane, 16 outputs at a time,
+ *   no horizontal sums. Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 are gathered straight from their blocks; at
+ *   up to DIRECT_ROWS rows of x a block is used from registers, at more it is decoded once
+ *   per strip into a buffer. Other formats are decoded per row into codes first.
+ *   With AMX (Sapphire Rapids and later), 16 rows of x at a time take a block's integer sums
+ *   from one tile instruction (tdpbsud: 16 x 16 outputs of 32 products each; the lanes'
+ *   codes are already its second operand's layout), then the same float steps.
+ * * AVX2 and portable C: rows decoded into codes, then one dot product per (row, step)
+ *   (AVX2: 16-bit products summed by vpmaddwd; else plain C).
+ * TIDEGATE_NO_AMX, TIDEGATE_NO_AVX512 or TIDEGATE_PORTABLE (compile definitions) force the
+ * slower paths, so the tests check them on a machine that has AMX.
+ */
+#define _GNU_SOURCE /* syscall(), to ask Linux for the AMX tile state */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ggml_blocks.h"
+
+#if !defined(TIDEGATE_PORTABLE) && !defined(TIDEGATE_NO_AVX512) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q8_LANES 1
+#include <immintrin.h>
+#if !defined(TIDEGATE_NO_AMX) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
+    defined(__linux__)
+#define Q8_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#elif !defined(TIDEGATE_PORTABLE) && defined(__AVX2__)
+#define Q8_AVX2 1
+#include <immintrin.h>
+#endif
+
+#define STRIP 16      /* weight rows per strip: one per 32-bit lane of an AVX-512 vector */
+#define DIRECT_ROWS 4 /* rows of x up to which a block's codes are used straight from registers */
+
+#if defined(Q8_AMX)
+static int amx_ready(void);
+#endif
+
+/* Which path this build computes with: 3 AVX512-VNNI with AMX tiles for 16 rows of x and
+ * more, 2 AVX512-VNNI, 1 AVX2, 0 portable C. */
+int tidegate_q8_path(void) {
+#if defined(Q8_AMX)
+    return amx_ready() ? 3 : 2;
+#elif defined(Q8_LANES)
+    return 2;
+#elif defined(Q8_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Activations                                                                              */
+
+/* Bytes of one quantized row of k columns; 0 when k is not whole blocks of 32. */
+int64_t tidegate_q8_row_bytes(int64_t k) { return k % 32 || k <= 0 ? 0 : k + k / 2; }
+
+struct q8row {
+    const int8_t *q;
+    const float *dx, *xs32, *xs16;
+};
+
+static inline struct q8row q8_row(const uint8_t *rec, int64_t k) {
+    const float *f = (const float *)(rec + k);
+    return (struct q8row){(const int8_t *)rec, f, f + k / 32, f + k / 16};
+}
+
+/* One row x[k] into its record (layout above). */
+void tidegate_quantize_row_q8(const float *x, int64_t k, uint8_t *rec) {
+    int8_t *q = (int8_t *)rec;
+    float *dx = (float *)(rec + k), *xs32 = dx + k / 32, *xs16 = dx + k / 16;
+    for (int64_t b = 0; b < k / 32; ++b) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xb[i]));
+        /* Through volatiles: with reciprocal and associative math allowed, the compiler
+         * otherwise rewrote 1 / (amax * (1/127)) as 127 / amax, which rounds differently and
+         * moved some q by one from the reference's. */
+        volatile float dv = amax * (1.0f / 127.0f);
+        const float d = dv;
+        volatile float idv = d > 0.0f ? 1.0f / d : 0.0f;
+        const float id = idv;
+        int32_t s[2];
+        for (int h = 0; h < 2; ++h) { /* halves of 16: one vector each, their sums exact */
+            int32_t sum = 0;
+            for (int i = 16 * h; i < 16 * h + 16; ++i) {
+                const int32_t v = (int32_t)nearbyintf(xb[i] * id);
+                q[32 * b + i] = (int8_t)v;
+                sum += v;
+            }
+            s[h] = sum;
+        }
+        dx[b] = d;
+        xs16[2 * b] = d * (float)s[0];
+        xs16[2 * b + 1] = d * (float)s[1];
+        xs32[b] = d * (float)(s[0] + s[1]);
+    }
+}
+
+/* Rows x[m, k] (row stride ldx floats) into m records, tidegate_q8_row_bytes(k) apart. */
+void tidegate_quantize_rows_q8(const float *x, int64_t ldx, int64_t m, int64_t k, uint8_t *out,
+                               int num_threads) {
+    const int64_t rb = tidegate_q8_row_bytes(k);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m >= 64)
+    for (int64_t r = 0; r < m; ++r) tidegate_quantize_row_q8(x + r * ldx, k, out + r * rb);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Weights: codes and step scales                                                           */
+
+/* Where a strip's rows come from (as packed_linear_cpu.c's row_source). */
+struct q8_source {
+    int ggml_type;        /* >= 0: GGML rows; -1: integers of `bits` bits */
+    const uint8_t *w;     /* row r starts at w + r * row_bytes */
+    int64_t row_bytes;
+    int bits;             /* integers: 4 or 8 */
+    int64_t group;        /* integers: columns per group */
+    const float *scales;  /* integers: [N, K / group] */
+    const uint8_t *zeros; /* integers: [N, K / group] */
+    int half;             /* steps of 16 columns (Q6_K, 16-column groups), else 32 */
+};
+
+/* Q4_K / Q5_K's 6-bit scale and minimum of sub-block j (llama.cpp's get_scale_min_k4). */
+static inline void scale_min_k4(int j, const uint8_t *sc, uint8_t *scv, uint8_t *mv) {
+    if (j < 4) {
+        *scv = sc[j] & 63;
+        *mv = sc[j + 4] & 63;
+    } else {
+        *scv = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+        *mv = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+/* Row r as codes c[k] and per-step d[], m[] (k / 32 steps, or k / 16 with src->half). */
+static void decode_row(const struct q8_source *src, int64_t r, int64_t k, uint8_t *c, float *d,
+                       float *m) {
+    const uint8_t *p = src->w + r * src->row_bytes;
+    switch (src->ggml_type) {
+    case T_Q4_0:
+    case T_Q4_1:
+        for (int64_t b = 0; b < k / 32; ++b, c += 32) {
+            const int one = src->ggml_type == T_Q4_1;
+            const uint8_t *blk = p + b * (one ? 20 : 18), *qs = blk + (one ? 4 : 2);
+            d[b] = rdh(blk);
+            m[b] = one ? rdh(blk + 2) : -8.0f * d[b];
+            for (int j = 0; j < 16; ++j) {
+                c[j] = qs[j] & 0xF;
+                c[j + 16] = qs[j] >> 4;
+            }
+        }
+        return;
+    case T_Q5_0:
+    case T_Q5_1:
+        for (int64_t b = 0; b < k / 32; ++b, c += 32) {
+            const int one = src->ggml_type == T_Q5_1;
+            const uint8_t *blk = p + b * (one ? 24 : 22), *h = blk + (one ? 4 : 2), *qs = h + 4;
+            const uint32_t qh = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 |
+                                (uint32_t)h[3] << 24;
+            d[b] = rdh(blk);
+            m[b] = one ? rdh(blk + 2) : -16.0f * d[b];
+            for (int j = 0; j < 16; ++j) {
+                c[j] = (uint8_t)((qs[j] & 0xF) | ((qh >> j) & 1) << 4);
+                c[j + 16] = (uint8_t)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+            }
+        }
+        return;
+    case T_Q8_0:
+        for (int64_t b = 0; b < k / 32; ++b, c += 32) {
+            const uint8_t *blk = p + 34 * b;
+            d[b] = rdh(blk);
+            m[b] = -128.0f * d[b];
+            for (int j = 0; j < 32; ++j) c[j] = blk[2 + j] ^ 0x80;
+        }
+        return;
+    case T_Q4_K:
+    case T_Q5_K:
+        for (int64_t sb = 0; sb < k / 256; ++sb) {
+            const int five = src->ggml_type == T_Q5_K;
+            const uint8_t *blk = p + sb * (five ? 176 : 144);
+            const float dd = rdh(blk), dmin = rdh(blk + 2);
+            const uint8_t *qh = blk + 16, *qs = blk + (five ? 48 : 16);
+            for (int j = 0; j < 8; ++j, c += 32) {
+                uint8_t scv, mv;
+                scale_min_k4(j, blk + 4, &scv, &mv);
+                d[8 * sb + j] = dd * scv;
+                m[8 * sb + j] = -(dmin * mv);
+                const uint8_t *q = qs + 32 * (j / 2);
+                for (int l = 0; l < 32; ++l) {
+                    uint8_t v = j % 2 ? q[l] >> 4 : q[l] & 0xF;
+                    if (five) v |= ((qh[l] >> j) & 1) << 4;
+                    c[l] = v;
+                }
+            }
+        }
+        return;
+    case T_Q6_K:
+        for (int64_t sb = 0; sb < k / 256; ++sb, c += 256) {
+            const uint8_t *blk = p + 210 * sb;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const float dd = rdh(blk + 208);
+            for (int j = 0; j < 16; ++j) {
+                d[16 * sb + j] = dd * (float)sc[j];
+                m[16 * sb + j] = -32.0f * d[16 * sb + j];
+            }
+            for (int n = 0; n < 2; ++n) {
+                const uint8_t *ql = blk + 64 * n, *qh = blk + 128 + 32 * n;
+                uint8_t *o = c + 128 * n;
+                for (int l = 0; l < 32; ++l) {
+                    o[l] = (uint8_t)((ql[l] & 0xF) | ((qh[l] & 3) << 4));
+                    o[l + 32] = (uint8_t)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4));
+                    o[l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                    o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+                }
+            }
+        }
+        return;
+    default: { /* integers with group scales and zero points (int_weight.py's layout) */
+        const int64_t groups = k / src->group, step = src->half ? 16 : 32;
+        const float *sc = src->scales + r * groups;
+        const uint8_t *zp = src->zeros + r * groups;
+        if (src->bits == 8) {
+            memcpy(c, p, (size_t)k);
+        } else {
+            for (int64_t c0 = 0; c0 < k; c0 += 32)
+                for (int j = 0; j < 16; ++j) {
+                    c[c0 + j] = p[c0 / 2 + j] & 0xF;
+                    c[c0 + 16 + j] = p[c0 / 2 + j] >> 4;
+                }
+        }
+        for (int64_t s = 0; s < k / step; ++s) {
+            const int64_t g = s * step / src->group;
+            d[s] = sc[g];
+            m[s] = -((float)zp[g] * sc[g]);
+        }
+        return;
+    }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* AVX512-VNNI: 16 weight rows per vector                                                   */
+#if defined(Q8_LANES)
+
+/* One block of 32 columns of a strip's 16 rows: q[u] lane r = row r's codes of columns
+ * 4u .. 4u+3; d[h], m[h] the step scales (h = 1 only for steps of 16: columns 16-31). */
+struct lanes {
+    __m512i q[8];
+    __m512 d[2], m[2];
+};
+
+static inline __m512i gather4(__m512i idx, const uint8_t *p, __mmask16 k) {
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, idx, p, 1);
+}
+static inline __m512 half_lo(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
+static inline __m512 half_hi(__m512i v) {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+}
+
+/* Nibbles of 4 bytes per lane: the low ones are columns 4u.., the high ones 16 + 4u.. */
+static inline void nibbles(struct lanes *L, int u, __m512i t) {
+    const __m512i lo = _mm512_set1_epi8(0x0F);
+    L->q[u] = _mm512_and_si512(t, lo);
+    L->q[u + 4] = _mm512_and_si512(_mm512_srli_epi32(t, 4), lo);
+}
+
+/* Bits shift .. shift+3 of each lane's 32-bit qh as bit 4 of its 4 bytes (Q5's fifth bits). */
+static inline __m512i fifth_bits(__m512i qh, int shift) {
+    const int byte = shift / 8, off = shift % 8;
+    const __m512i pick = _mm512_add_epi8(
+        _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0x00000000),
+        _mm512_set1_epi8((char)byte));
+    const __m512i rep = _mm512_shuffle_epi8(qh, pick);
+    const __m512i bits = _mm512_set1_epi32((int)((1u << off) | (2u << off) << 8 |
+                                                 (4u << off) << 16 | (8u << off) << 24));
+    return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(rep, bits), _mm512_set1_epi8(0x10));
+}
+
+/* Whether a type's blocks are gathered straight from the matrix (else: decode_row first). */
+static inline int gathers_direct(int t) {
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0;
+}
+
+/* Block b of the strip starting at base (lane r: row r, idx = r * row_bytes). The d and m
+ * computed here equal decode_row's bit for bit (half floats widened, times -8, -16, -128). */
+static inline __attribute__((always_inline)) void gather_block(int t, const uint8_t *base,
+                                                               __m512i idx, __mmask16 k,
+                                                               int64_t b, struct lanes *L) {
+    switch (t) {
+    case T_Q4_0: {
+        const uint8_t *p = base + 18 * b;
+        L->d[0] = half_lo(gather4(idx, p, k));
+        L->m[0] = _mm512_mul_ps(L->d[0], _mm512_set1_ps(-8.0f));
+        for (int u = 0; u < 4; ++u) nibbles(L, u, gather4(idx, p + 2 + 4 * u, k));
+        break;
+    }
+    case T_Q4_1: {
+        const uint8_t *p = base + 20 * b;
+        const __m512i dm = gather4(idx, p, k);
+        L->d[0] = half_lo(dm);
+        L->m[0] = half_hi(dm);
+        for (int u = 0; u < 4; ++u) nibbles(L, u, gather4(idx, p + 4 + 4 * u, k));
+        break;
+    }
+    case T_Q5_0:
+    case T_Q5_1: {
+        const int one = t == T_Q5_1;
+        const uint8_t *p = base + b * (one ? 24 : 22), *h = p + (one ? 4 : 2);
+        const __m512i dm = gather4(idx, p, k), qh = gather4(idx, h, k);
+        L->d[0] = half_lo(dm);
+        L->m[0] = one ? half_hi(dm) : _mm512_mul_ps(L->d[0], _mm512_set1_ps(-16.0f));
+        for (int u = 0; u < 4; ++u) {
+            nibbles(L, u, gather4(idx, h + 4 + 4 * u, k));
+            L->q[u] = _mm512_or_si512(L->q[u], fifth_bits(qh, 4 * u));
+            L->q[u + 4] = _mm512_or_si512(L->q[u + 4], fifth_bits(qh, 16 + 4 * u));
+        }
+        break;
+    }
+    default: { /* T_Q8_0: signed bytes, offset by 128 */
+        const uint8_t *p = base + 34 * b;
+        L->d[0] = half_lo(gather4(idx, p, k));
+        L->m[0] = _mm512_mul_ps(L->d[0], _mm512_set1_ps(-128.0f));
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (int u = 0; u < 8; ++u) L->q[u] = _mm512_xor_si512(gather4(idx, p + 2 + 4 * u, k), flip);
+        break;
+    }
+    }
+}
+
+/* Block b from a strip decoded by decode_row: codes [16][k], d and m [16][steps]. */
+static inline void gather_decoded(const uint8_t *codes, const float *d, const float *m,
+                                  int64_t k, int half, __mmask16 km, int64_t b, struct lanes *L) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)k));
+    const int64_t steps = half ? k / 16 : k / 32;
+    const __m512i sidx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)steps));
+    for (int u = 0; u < 8; ++u) L->q[u] = gather4(idx, codes + 32 * b + 4 * u, km);
+    for (int h = 0; h <= half; ++h) {
+        const int64_t s = half ? 2 * b + h : b;
+        L->d[h] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), km, sidx, d + s, 4);
+        L->m[h] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), km, sidx, m + s, 4);
+    }
+}
+
+static inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* One step's float arithmetic for 16 outputs (the header comment's): i its integer sums. */
+static inline __attribute__((always_inline)) void float_step(__m512i i, __m512 d, __m512 m,
+                                                             float dx, float xs, __m512 *accd,
+                                                             __m512 *accm) {
+    *accd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(d, _mm512_set1_ps(dx)), *accd);
+    *accm = _mm512_fmadd_ps(m, _mm512_set1_ps(xs), *accm);
+}
+
+/* The steps of block b for one row of x. */
+static inline __attribute__((always_inline)) void lanes_step(const struct lanes *L, int half,
+                                                             const struct q8row *x, int64_t b,
+                                                             __m512 *accd, __m512 *accm) {
+    const int8_t *xq = x->q + 32 * b;
+    for (int h = 0; h < 2; h += half ? 1 : 2) {
+        const int u0 = half ? 4 * h : 0, u1 = half ? u0 + 4 : 8;
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int u = u0; u < u1; u += 2) { /* two chains: the sums are exact either way */
+            s0 = _mm512_dpbusd_epi32(s0, L->q[u], bcast4(xq + 4 * u));
+            s1 = _mm512_dpbusd_epi32(s1, L->q[u + 1], bcast4(xq + 4 * u + 4));
+        }
+        float_step(_mm512_add_epi32(s0, s1), L->d[h], L->m[h], x->dx[b],
+                   half ? x->xs16[2 * b + h] : x->xs32[b], accd, accm);
+    }
+}
+
+static inline void lanes_store(__m512 accd, __m512 accm, float *y, const float *add,
+                               __mmask16 km) {
+    __m512 v = _mm512_add_ps(accd, accm);
+    if (add != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(km, add));
+    _mm512_mask_storeu_ps(y, km, v);
+}
+
+/* Up to DIRECT_ROWS rows of x: each block gathered into registers and used for every row. */
+static inline __attribute__((always_inline)) void strip_direct(
+    int t, const uint8_t *base, __m512i idx, __mmask16 km, const uint8_t *xbuf, int64_t xrb,
+    int mr, float *y, const float *add, int64_t ldy, int64_t k) {
+    struct q8row x[DIRECT_ROWS];
+    __m512 accd[DIRECT_ROWS], accm[DIRECT_ROWS];
+    for (int i = 0; i < mr; ++i) {
+        x[i] = q8_row(xbuf + i * xrb, k);
+        accd[i] = accm[i] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < k / 32; ++b) {
+        struct lanes L;
+        gather_block(t, base, idx, km, b, &L);
+        for (int i = 0; i < mr; ++i) lanes_step(&L, 0, &x[i], b, &accd[i], &accm[i]);
+    }
+    for (int i = 0; i < mr; ++i)
+        lanes_store(accd[i], accm[i], y + i * ldy, add == NULL ? NULL : add + i * ldy, km);
+}
+
+/* Any number of rows of x against a strip whose blocks are in buf (4 rows of x at a time). */
+static void strip_buffered(const struct lanes *buf, int half, __mmask16 km, const uint8_t *xbuf,
+                           int64_t xrb, int64_t m_dim, float *y, const float *add, int64_t ldy,
+                           int64_t k) {
+    for (int64_t m0 = 0; m0 < m_dim; m0 += 4) {
+        const int mr = m_dim - m0 < 4 ? (int)(m_dim - m0) : 4;
+        struct q8row x[4];
+        __m512 accd[4], accm[4];
+        for (int i = 0; i < mr; ++i) {
+            x[i] = q8_row(xbuf + (m0 + i) * xrb, k);
+            accd[i] = accm[i] = _mm512_setzero_ps();
+        }
+        for (int64_t b = 0; b < k / 32; ++b)
+            for (int i = 0; i < mr; ++i) lanes_step(&buf[b], half, &x[i], b, &accd[i], &accm[i]);
+        for (int i = 0; i < mr; ++i)
+            lanes_store(accd[i], accm[i], y + (m0 + i) * ldy,
+                        add == NULL ? NULL : add + (m0 + i) * ldy, km);
+    }
+}
+
+#if defined(Q8_AMX)
+/* Linux lends the AMX tile state to a process that asks (once, for all its threads). */
+static int amx_ready(void) {
+    static volatile int state = 0; /* 0 not asked yet, 1 granted, -1 refused */
+    if (state == 0)
+        state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                        18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+    return state > 0;
+}
+
+/* Tiles: 0-3 a block's 16 x 16 sums each, 4-5 16 rows of x's block (32 bytes), 6-7 the
+ * strip's codes of a block (8 rows of 16 lanes x 4 bytes: struct lanes' q). */
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((aligned(64))) cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = t == 4 || t == 5 ? 32 : 64;
+        cfg.rows[t] = t >= 6 ? 8 : 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Block b0 + j's sums for 16 rows of x (xq, stride xrb) into sums[j]: [row of x][lane]. */
+#define AMX_BLOCK(j, a, bt)                                                                    \
+    do {                                                                                       \
+        _tile_loadd(a, xq + 32 * (b0 + j), xrb);                                               \
+        _tile_loadd(bt, buf[b0 + j].q, 64);                                                    \
+        _tile_zero(j);                                                                         \
+        _tile_dpbsud(j, a, bt);                                                                \
+        _tile_stored(j, sums[j], 64);                                                          \
+    } while (0)
+
+/* Rows m0 .. m0+15 of x against a strip whose blocks are in buf (steps of 32 columns). */
+static void strip_amx16(const struct lanes *buf, __mmask16 km, const uint8_t *xbuf, int64_t xrb,
+                        int64_t m0, float *y, const float *add, int64_t ldy, int64_t k) {
+    int32_t sums[4][16][16] __attribute__((aligned(64)));
+    __m512 accd[16], accm[16];
+    struct q8row x[16];
+    const int64_t blocks = k / 32;
+    const uint8_t *xq = xbuf + m0 * xrb;
+    for (int i = 0; i < 16; ++i) {
+        x[i] = q8_row(xbuf + (m0 + i) * xrb, k);
+        accd[i] = accm[i] = _mm512_setzero_ps();
+    }
+    for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
+        const int nb = blocks - b0 < 4 ? (int)(blocks - b0) : 4;
+        AMX_BLOCK(0, 4, 6);
+        if (nb > 1) AMX_BLOCK(1, 5, 7);
+        if (nb > 2) AMX_BLOCK(2, 4, 6);
+        if (nb > 3) AMX_BLOCK(3, 5, 7);
+        for (int i = 0; i < 16; ++i)
+            for (int j = 0; j < nb; ++j) {
+                const struct lanes *L = &buf[b0 + j];
+                float_step(_mm512_load_si512(sums[j][i]), L->d[0], L->m[0], x[i].dx[b0 + j],
+                           x[i].xs32[b0 + j], &accd[i], &accm[i]);
+            }
+    }
+    for (int i = 0; i < 16; ++i)
+        lanes_store(accd[i], accm[i], y + (m0 + i) * ldy,
+                    add == NULL ? NULL : add + (m0 + i) * ldy, km);
+}
+#endif
+
+static int q8_linear(const struct q8_source *src, const uint8_t *xbuf, float *y, const float *add,
+                     int64_t m_dim, int64_t n_dim, int64_t k_dim, int64_t ldy, int num_threads) {
+    const int64_t strips = (n_dim + STRIP - 1) / STRIP, xrb = tidegate_q8_row_bytes(k_dim);
+#if defined(Q8_AMX)
+    /* 16 rows of x at a time through tiles, the rest (and steps of 16) through vpdpbusd */
+    const int64_t amx_rows = !src->half && m_dim >= 16 && amx_ready() ? m_dim / 16 * 16 : 0;
+#else
+    const int64_t amx_rows = 0;
+#endif
+    const int t = src->ggml_type, direct = gathers_direct(t);
+    const int64_t steps = src->half ? k_dim / 16 : k_dim / 32;
+    int failed = 0;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > strips) num_threads = (int)strips;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        struct lanes *buf = NULL;
+        uint8_t *codes = NULL;
+        float *dm = NULL;
+        if (!direct || m_dim > DIRECT_ROWS)
+            buf = aligned_alloc(64, (size_t)(k_dim / 32) * sizeof(struct lanes));
+        if (!direct) {
+            codes = aligned_alloc(64, (size_t)(STRIP * k_dim));
+            dm = aligned_alloc(64, (size_t)(2 * STRIP * steps * 4 + 64) / 64 * 64);
+        }
+        failed = ((!direct || m_dim > DIRECT_ROWS) && buf == NULL) ||
+                 (!direct && (codes == NULL || dm == NULL));
+        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)src->row_bytes));
+#if defined(Q8_AMX)
+        if (amx_rows) amx_configure();
+#endif
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < strips; ++s) {
+            if (failed) continue;
+            const int64_t n0 = s * STRIP;
+            const int rows = (int)(n_dim - n0 < STRIP ? n_dim - n0 : STRIP);
+            const __mmask16 km = (__mmask16)(rows == STRIP ? 0xFFFF : (1u << rows) - 1);
+            const uint8_t *base = src->w + n0 * src->row_bytes;
+            const float *a = add == NULL ? NULL : add + n0;
+            if (direct && m_dim <= DIRECT_ROWS) {
+                switch (t) { /* one instance per type: the switch leaves the block loop */
+                case T_Q4_0: strip_direct(T_Q4_0, base, idx, km, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
+                case T_Q4_1: strip_direct(T_Q4_1, base, idx, km, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
+                case T_Q5_0: strip_direct(T_Q5_0, base, idx, km, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
+                case T_Q5_1: strip_direct(T_Q5_1, base, idx, km, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
+                default: strip_direct(T_Q8_0, base, idx, km, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
+                }
+                continue;
+            }
+            if (direct) {
+                for (int64_t b = 0; b < k_dim / 32; ++b) gather_block(t, base, idx, km, b, &buf[b]);
+            } else {
+                for (int r = 0; r < rows; ++r)
+                    decode_row(src, n0 + r, k_dim, codes + r * k_dim, dm + r * steps,
+                               dm + (STRIP + r) * steps);
+                for (int64_t b = 0; b < k_dim / 32; ++b)
+                    gather_decoded(codes, dm, dm + STRIP * steps, k_dim, src->half, km, b, &buf[b]);
+            }
+#if defined(Q8_AMX)
+            for (int64_t m0 = 0; m0 < amx_rows; m0 += 16)
+                strip_amx16(buf, km, xbuf, xrb, m0, y + n0, a, ldy, k_dim);
+#endif
+            strip_buffered(buf, src->half, km, xbuf + amx_rows * xrb, xrb, m_dim - amx_rows,
+                           y + n0 + amx_rows * ldy, a == NULL ? NULL : a + amx_rows * ldy, ldy,
+                           k_dim);
+        }
+#if defined(Q8_AMX)
+        if (amx_rows) _tile_release();
+#endif
+        free(buf);
+        free(codes);
+        free(dm);
+    }
+    return failed ? -2 : 0;
+}
+
+#else
+/* ---------------------------------------------------------------------------------------- */
+/* AVX2 and portable C: rows decoded into codes, one dot product per (row, step)            */
+
+/* sum(c[i] * q[i]) over n (16 or 32) columns; exact. */
+static inline int32_t idot(const uint8_t *c, const int8_t *q, int n) {
+#if defined(Q8_AVX2)
+    __m256i acc = _mm256_setzero_si256();
+    for (int i = 0; i < n; i += 16) { /* 16-bit products: vpmaddubsw would saturate at c > 127 */
+        const __m256i cw = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + i)));
+        const __m256i qw = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + i)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(cw, qw));
+    }
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+#else
+    int32_t s = 0;
+    for (int i = 0; i < n; ++i) s += (int32_t)c[i] * (int32_t)q[i];
+    return s;
+#endif
+}
+
+/* One output: codes c[k] with step scales d, m against one quantized row. */
+static float row_dot(const uint8_t *c, const float *d, const float *m, int half,
+                     const struct q8row *x, int64_t k) {
+    float accd = 0.0f, accm = 0.0f;
+    const int step = half ? 16 : 32;
+    for (int64_t s = 0; s < k / step; ++s) {
+        const int64_t b = half ? s / 2 : s;
+        const int32_t i = idot(c + s * step, x->q + s * step, step);
+        accd = fmaf((float)i, d[s] * x->dx[b], accd);
+        accm = fmaf(m[s], half ? x->xs16[s] : x->xs32[s], accm);
+    }
+    return accd + accm;
+}
+
+static int q8_linear(const struct q8_source *src, const uint8_t *xbuf, float *y, const float *add,
+                     int64_t m_dim, int64_t n_dim, int64_t k_dim, int64_t ldy, int num_threads) {
+    const int64_t strips = (n_dim + STRIP - 1) / STRIP, xrb = tidegate_q8_row_bytes(k_dim);
+    const int64_t steps = src->half ? k_dim / 16 : k_dim / 32;
+    int failed = 0;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > strips) num_threads = (int)strips;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        uint8_t *codes = malloc((size_t)(STRIP * k_dim));
+        float *dm = malloc((size_t)(2 * STRIP * steps) * sizeof(float));
+        failed = codes == NULL || dm == NULL;
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < strips; ++s) {
+            if (failed) continue;
+            const int64_t n0 = s * STRIP;
+            const int rows = (int)(n_dim - n0 < STRIP ? n_dim - n0 : STRIP);
+            for (int r = 0; r < rows; ++r)
+                decode_row(src, n0 + r, k_dim, codes + r * k_dim, dm + r * steps,
+                           dm + (STRIP + r) * steps);
+            for (int64_t mm = 0; mm < m_dim; ++mm) {
+                const struct q8row x = q8_row(xbuf + mm * xrb, k_dim);
+                for (int r = 0; r < rows; ++r) {
+                    float v = row_dot(codes + r * k_dim, dm + r * steps, dm + (STRIP + r) * steps,
+                                      src->half, &x, k_dim);
+                    if (add != NULL) v += add[mm * ldy + n0 + r];
+                    y[mm * ldy + n0 + r] = v;
+                }
+            }
+        }
+        free(codes);
+        free(dm);
+    }
+    return failed ? -2 : 0;
+}
+#endif
+
+/* ---------------------------------------------------------------------------------------- */
+/* Entry points                                                                             */
+
+/* y[M, N] (row stride ldy) = records xq (M rows of tidegate_quantize_rows_q8) @ w[N, K]^T of
+ * GGML type t (+ add, [M, N] with row stride ldy). Returns 0; -1 for a type without 8-bit
+ * products (F32, F16, BF16: the float kernel serves them) or K not whole blocks; -2 when
+ * scratch memory cannot be had. */
+int tidegate_q8_packed_linear(int t, const uint8_t *xq, const uint8_t *w, float *y,
+                              const float *add, int64_t m_dim, int64_t n_dim, int64_t k_dim,
+                              int64_t ldy, int num_threads) {
+    const int64_t rb = tidegate_packed_row_bytes(t, k_dim);
+    if (rb == 0 || t == T_F32 || t == T_F16 || t == T_BF16 || k_dim % 32) return -1;
+    const struct q8_source src = {t, w, rb, 0, 0, NULL, NULL, t == T_Q6_K};
+    return q8_linear(&src, xq, y, add, m_dim, n_dim, k_dim, ldy, num_threads);
+}
+
+/* The same over an integer matrix (int_weight.py): q [N, K * bits / 8], scales and zeros
+ * [N, K / group]. Returns -1 for bits other than 4 and 8, K not whole blocks of 32, or a group
+ * that is not whole steps of 16 columns. */
+int tidegate_q8_int_linear(int bits, int64_t group, const uint8_t *xq, const uint8_t *q,
+                           const float *scales, const uint8_t *zeros, float *y, const float *add,
+                           int64_t m_dim, int64_t n_dim, int64_t k_dim, int64_t ldy,
+                           int num_threads) {
+    if ((bits != 4 && bits != 8) || group <= 0 || k_dim % group || k_dim % 32 || group % 16)
+        return -1;
+    const struct q8_source src = {-1, q, k_dim * bits / 8, bits, group, scales, zeros,
+                                  group % 32 != 0};
+    return q8_linear(&src, xq, y, add, m_dim, n_dim, k_dim, ldy, num_threads);
+}

@@ -1,0 +1,101 @@
+"""The one-call decoder layer (``kernels.decoder_layer``, ``csrc/decoder_layer_cpu.c``) against the
+op-by-op path it replaces: the engine's hidden states bit for bit, over prompt chunks and decode
+steps of several sequences (prompts of different lengths, chunked), for GGUF blocks and for
+integer weights, with a float32 and an int8 KV cache; and it steps aside where it does not
+serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from kernels import ops
+from kernels.int_weight import IntWeight
+from tests.worker.tiny_checkpoints import tiny_hf_model, write_gguf
+from tidegate.protocol import SamplingParams
+from worker.engine.engine import Engine, EngineConfig, EngineRequest
+from worker.models.loaders.loader import LoadedModel, load_model
+from worker.models.packed_modules import PackedLinear
+
+T = GGMLQuantizationType
+PROMPTS = [[5, 9, 13], list(range(20, 47)), [7] * 12]
+
+
+@pytest.fixture
+def gguf_path(tmp_path: Path) -> Path:
+    return write_gguf(tiny_hf_model(tied=True), tmp_path / "q.gguf", qtype=T.Q4_1,
+                      qtypes={"token_embd": T.Q8_0})
+
+
+def hidden_states(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, *, fused: bool,
+                  kv: str = "auto") -> tuple[list[torch.Tensor], int]:
+    """Every step's final hidden states of a greedy run of PROMPTS (16 tokens a step: prompts in
+    chunks beside decodes), and how many layers of prompt chunks the one-call path ran."""
+    calls = 0
+    real = ops.decoder_layer
+
+    def counted(*args: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+        nonlocal calls
+        done = real(*args) if fused else None  # type: ignore[arg-type]
+        hidden = args[0]
+        calls += done is not None and hidden.shape[0] > len(PROMPTS)  # type: ignore[attr-defined]
+        return done
+
+    seen: list[torch.Tensor] = []
+    logits = loaded.model.compute_logits
+
+    def capture(hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(hidden.clone())
+        return logits(hidden)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ops, "decoder_layer", counted)
+        patch.setattr(loaded.model, "compute_logits", capture)
+        engine = Engine(loaded.model, loaded.tokenizer,
+                        EngineConfig(max_model_len=256, num_blocks=64, block_size=4,
+                                     max_num_seqs=4, max_num_batched_tokens=16,
+                                     kv_cache_dtype=kv))
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(EngineRequest(str(i), prompt, SamplingParams(
+                max_tokens=6 + 2 * i, temperature=0.0, ignore_eos=True)))
+        while engine.has_unfinished():
+            engine.step()
+    return seen, calls
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_gguf_layers_in_one_call_give_the_op_by_op_bits(
+        gguf_path: Path, monkeypatch: pytest.MonkeyPatch, kv: str) -> None:
+    loaded = load_model(str(gguf_path), cpu_activations="int8")
+    one, calls = hidden_states(loaded, monkeypatch, fused=True, kv=kv)
+    by_op, none = hidden_states(loaded, monkeypatch, fused=False, kv=kv)
+    assert calls > 0 and none == 0
+    assert all(torch.equal(a, b) for a, b in zip(one, by_op, strict=True))
+
+
+def test_integer_layers_in_one_call_give_the_op_by_op_bits(
+        gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = load_model(str(gguf_path), cpu_activations="int8")
+    for group, layer in zip((32, 16), loaded.model.layers, strict=False):
+        for module in layer.modules():
+            if isinstance(module, PackedLinear):
+                module.weight = IntWeight.quantize(module.weight.dequantize(), 4, group,
+                                                   symmetric=False).with_activations("int8")
+    one, calls = hidden_states(loaded, monkeypatch, fused=True)
+    by_op, _ = hidden_states(loaded, monkeypatch, fused=False)
+    assert calls > 0
+    assert all(torch.equal(a, b) for a, b in zip(one, by_op, strict=True))
+
+
+def test_float_activations_and_the_reference_mode_go_op_by_op(
+        gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, calls = hidden_states(load_model(str(gguf_path), cpu_activations="float"), monkeypatch,
+                             fused=True)
+    assert calls == 0
+    loaded = load_model(str(gguf_path), cpu_activations="int8")
+    monkeypatch.setenv("TIDEGATE_KERNELS", "reference")
+    _, calls = hidden_states(loaded, monkeypatch, fused=True)
+    assert calls == 0
