@@ -62,6 +62,7 @@ class Tokenizer:
             if (token_id := _special_token_id(backend, token)) is not None:
                 eos.add(token_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self._single: dict[int, str] = {}  # one id's text, as decode([id]) gives it
 
     def encode(self, text: str) -> list[int]:
         """Plain text to ids; special tokens written in the text are matched as such (as HF)."""
@@ -69,6 +70,15 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         """Ids to text, leaving out special tokens (eos, chat markers)."""
+        if len(ids) == 1:
+            # Incremental detokenization decodes each new token alone once (its window's
+            # context): at a thousand sequences a step, a lookup instead of a call into the
+            # backend. Bounded by the vocabulary (ids past it decode to nothing, once each).
+            token = int(ids[0])
+            text = self._single.get(token)
+            if text is None:
+                text = self._single[token] = self.backend.decode([token], skip_special_tokens=True)
+            return text
         return self.backend.decode(list(ids), skip_special_tokens=True)
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:

@@ -124,6 +124,10 @@ class BlockManager:
         self.stats.hit_tokens += cached
         return cached
 
+    def holds(self, seq_id: str, num_tokens: int) -> bool:
+        """Whether the request's table has slots for ``num_tokens`` tokens already."""
+        return len(self._tables[seq_id].blocks) * self.block_size >= num_tokens
+
     def can_append(self, seq_id: str, num_tokens: int) -> bool:
         """Whether the request's table can grow to hold ``num_tokens`` tokens."""
         have = len(self._tables[seq_id].blocks)

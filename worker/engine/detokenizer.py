@@ -36,8 +36,14 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         before = self._tok.decode(self._ids[self._prefix : self._read])
         after = self._tok.decode(self._ids[self._prefix :])
-        if len(after) <= len(before) or after.endswith(REPLACEMENT):
+        if len(after) < len(before) or after.endswith(REPLACEMENT):
             return ""  # mid-character: wait for the rest of its bytes
+        if len(after) == len(before):
+            # A token without text (a skipped special token, an id past the vocabulary) changes
+            # nothing around it either: it leaves the window, which would otherwise grow by one
+            # such token at every step and make each push decode all of them again.
+            self._ids.pop()
+            return ""
         self._prefix, self._read = self._read, len(self._ids)
         return self._release(self._held + after[len(before) :])
 

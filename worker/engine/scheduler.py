@@ -105,17 +105,28 @@ class Scheduler:
         self.running.sort(key=Sequence.sort_key)
         # A request holding its last token (still being sampled) needs no more compute: it
         # ends when that token is read, and no cache slot is taken beyond its limit.
-        decodes = [s for s in self.running if s.num_uncomputed == 1 and not s.is_complete]
-        prefills = [s for s in self.running if s.num_uncomputed > 1]
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for seq in self.running:
+            left = seq.num_uncomputed
+            if left > 1:
+                prefills.append(seq)
+            elif left == 1 and not seq.is_complete:
+                decodes.append(seq)
         for seq in decodes + prefills:
             # A preempted victim's chunk leaves the batch, so the budget is recounted each time.
             budget = self.config.max_num_batched_tokens - out.num_batched_tokens
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or no budget left
             n = min(seq.num_uncomputed, budget)
-            if self._make_room(seq, seq.num_computed + n, out):
-                self.blocks.append_slot(seq.request_id, seq.num_computed + n)
-                out.add(ScheduledChunk.of(seq, n))
+            end = seq.num_computed + n
+            # Most decodes land in a block the request holds already: nothing to make room for
+            # or to grow (this loop runs for every running request, every step).
+            if not self.blocks.holds(seq.request_id, end):
+                if not self._make_room(seq, end, out):
+                    continue
+                self.blocks.append_slot(seq.request_id, end)
+            out.add(ScheduledChunk.of(seq, n))
         if not out.preempted:  # under memory pressure, let running requests finish first
             self._admit_waiting(self.config.max_num_batched_tokens - out.num_batched_tokens, out)
         return out

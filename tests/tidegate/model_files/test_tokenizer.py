@@ -86,6 +86,18 @@ def test_decode_skips_special_tokens(smollm2: Tokenizer) -> None:
     assert smollm2.decode([2]) == ""
 
 
+def test_one_token_decodes_as_the_backend_decodes_it(smollm2: Tokenizer) -> None:
+    """decode of a single id is looked up after its first call (the detokenizer decodes every
+    new token alone): the same text as the backend's, asked twice, specials and ids past the
+    vocabulary included."""
+    rng = random.Random(7)
+    ids = [rng.randrange(smollm2.vocab_size) for _ in range(300)] + [0, 1, 2, 200_000]
+    for _ in range(2):
+        for i in ids:
+            assert smollm2.decode([i]) == smollm2.backend.decode([i], skip_special_tokens=True)
+    assert smollm2.decode([200_000]) == "" and smollm2.decode([2]) == ""
+
+
 def test_encode_prompt_takes_messages_or_a_prompt(smollm2: Tokenizer) -> None:
     as_models = [ChatMessage(**m) for m in CHATS[1]]  # type: ignore[arg-type]
     assert smollm2.encode_prompt(None, as_models) == smollm2.encode_prompt(None, CHATS[1])

@@ -42,6 +42,8 @@ def test_append_slot_grows_one_block_at_a_boundary() -> None:
     bm.append_slot("a", 8)
     assert len(bm.block_table("a")) == 2
     assert bm.can_append("a", 12) and not bm.can_append("a", 13)
+    # holds: what the table has room for already (the scheduler's no-allocation fast path)
+    assert bm.holds("a", 8) and not bm.holds("a", 9)
 
 
 def test_shared_prefix_blocks_are_reused_with_reference_counts() -> None:

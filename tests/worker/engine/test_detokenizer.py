@@ -51,3 +51,46 @@ def test_partial_stop_prefix_is_held_then_released_when_it_diverges() -> None:
 def test_earliest_of_several_stop_strings_wins() -> None:
     pieces, detok = feed("one two three", stop=["three", "two"])
     assert detok.text == "one " and detok.stopped
+
+
+class CountingDecoder:
+    """The real SmolLM2 tokenizer, recording how many ids each decode call is given."""
+
+    def __init__(self) -> None:
+        from tidegate.model_files.model_source import resolve_model
+        from tidegate.model_files.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(resolve_model("smollm2"))
+        self.lengths: list[int] = []
+
+    def decode(self, ids: Sequence[int]) -> str:
+        self.lengths.append(len(ids))
+        return self.tokenizer.decode(ids)
+
+
+def test_tokens_without_text_keep_the_window_short_and_the_text_exact() -> None:
+    """Skipped special tokens between text tokens release nothing, change nothing around them
+    (the space before a word survives a run of them), and do not pile up in the decode window:
+    a model emitting them step after step would otherwise decode them all again at every push."""
+    decoder = CountingDecoder()
+    tok = decoder.tokenizer
+    text = "Hello wörld 👋, and the rest of it."
+    ids = tok.encode(text)
+    special = 1  # <|im_start|>: skipped when decoding
+    assert tok.decode([special]) == ""
+    detok = IncrementalDetokenizer(decoder)
+    pieces = []
+    for i, token in enumerate(ids):
+        pieces.append(detok.push(token))
+        for _ in range(200 if i == 1 else 3):
+            assert detok.push(special) == ""
+    assert "".join(pieces) + detok.flush() == tok.decode(ids) == text
+    # The window holds the token before the newest and, while a character is incomplete, its
+    # byte tokens and the specials among them: never the run of 200.
+    assert max(decoder.lengths) <= 16
+    # Ids past the vocabulary (random-weight models sample them) decode to nothing as well.
+    detok = IncrementalDetokenizer(decoder)
+    decoder.lengths.clear()
+    for _ in range(300):
+        assert detok.push(tok.vocab_size + 5) == ""
+    assert max(decoder.lengths) <= 1
