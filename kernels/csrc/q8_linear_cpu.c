@@ -34,6 +34,11 @@
  *   no horizontal sums. Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 are gathered straight from their blocks; at
  *   up to DIRECT_ROWS rows of x a block is used from registers, at more it is decoded once
  *   per strip into a buffer. Other formats are decoded per row into codes first.
+ *   On AMD (Zen 4's gathers are microcoded: the lanes path ran batch-1 decode at a third of
+ *   the float kernel's speed on cold weights), up to DIRECT_ROWS rows of x go row by row
+ *   instead: one weight row's block of 32 codes decoded into a 256-bit vector with plain
+ *   loads, vpdpbusd against each row of x, the 8 partial sums added (exact), then the same
+ *   float steps. TIDEGATE_Q8_ROWS / TIDEGATE_Q8_LANES (compile definitions) force either.
  *   With AMX (Sapphire Rapids and later), 16 rows of x at a time take a block's integer sums
  *   from one tile instruction (tdpbsud: 16 x 16 outputs of 32 products each; the lanes'
  *   codes are already its second operand's layout), then the same float steps.
@@ -52,7 +57,7 @@
 #include "ggml_blocks.h"
 
 #if !defined(TIDEGATE_PORTABLE) && !defined(TIDEGATE_NO_AVX512) && defined(__AVX512F__) && \
-    defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define Q8_LANES 1
 #include <immintrin.h>
 #if !defined(TIDEGATE_NO_AMX) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
@@ -436,6 +441,102 @@ static inline __attribute__((always_inline)) void strip_direct(
         lanes_store(accd[i], accm[i], y + i * ldy, add == NULL ? NULL : add + i * ldy, km);
 }
 
+/* Whether up to DIRECT_ROWS rows of x go weight row by weight row (rows_block) rather than
+ * through the gathered lanes (strip_direct): on AMD, unless a definition forces either. */
+static int rows_path(void) {
+#if defined(TIDEGATE_Q8_ROWS)
+    return 1;
+#elif defined(TIDEGATE_Q8_LANES)
+    return 0;
+#else
+    static int amd = -1;
+    if (amd < 0) {
+        __builtin_cpu_init();
+        amd = __builtin_cpu_is("amd") ? 1 : 0;
+    }
+    return amd;
+#endif
+}
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Block b of one weight row (row points at its first block): its 32 codes (column j in byte j)
+ * and the step's d and m, equal to gather_block's bit for bit. */
+static inline __attribute__((always_inline)) __m256i rows_block(int t, const uint8_t *row,
+                                                                int64_t b, float *d, float *m) {
+    switch (t) {
+    case T_Q4_0:
+    case T_Q4_1: {
+        const int one = t == T_Q4_1;
+        const uint8_t *p = row + b * (one ? 20 : 18);
+        *d = half_to_float(p);
+        *m = one ? half_to_float(p + 2) : *d * -8.0f;
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(p + (one ? 4 : 2)));
+        const __m128i lo = _mm_set1_epi8(0x0F);
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo), _mm_and_si128(qs, lo));
+    }
+    case T_Q5_0:
+    case T_Q5_1: {
+        const int one = t == T_Q5_1;
+        const uint8_t *p = row + b * (one ? 24 : 22), *h = p + (one ? 4 : 2);
+        *d = half_to_float(p);
+        *m = one ? half_to_float(p + 2) : *d * -16.0f;
+        uint32_t qh;
+        memcpy(&qh, h, 4);
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(h + 4));
+        const __m128i lo = _mm_set1_epi8(0x0F);
+        const __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo),
+                                           _mm_and_si128(qs, lo));
+        return _mm256_or_si256(c, _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(0x10)));
+    }
+    default: { /* T_Q8_0 */
+        const uint8_t *p = row + 34 * b;
+        *d = half_to_float(p);
+        *m = *d * -128.0f;
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)),
+                                _mm256_set1_epi8((char)0x80));
+    }
+    }
+}
+
+static inline int32_t hsum8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Up to DIRECT_ROWS rows of x against a strip's `rows` weight rows, one weight row at a time. */
+static inline __attribute__((always_inline)) void strip_rows(
+    int t, const uint8_t *base, int64_t row_bytes, int rows, const uint8_t *xbuf, int64_t xrb,
+    int mr, float *y, const float *add, int64_t ldy, int64_t k) {
+    struct q8row x[DIRECT_ROWS];
+    for (int i = 0; i < mr; ++i) x[i] = q8_row(xbuf + i * xrb, k);
+    for (int r = 0; r < rows; ++r) {
+        const uint8_t *row = base + r * row_bytes;
+        float accd[DIRECT_ROWS] = {0}, accm[DIRECT_ROWS] = {0};
+        for (int64_t b = 0; b < k / 32; ++b) {
+            float d, m;
+            const __m256i c = rows_block(t, row, b, &d, &m);
+            for (int i = 0; i < mr; ++i) {
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(x[i].q + 32 * b));
+                const int32_t isum = hsum8(_mm256_dpbusd_epi32(_mm256_setzero_si256(), c, xq));
+                accd[i] = fmaf((float)isum, d * x[i].dx[b], accd[i]);
+                accm[i] = fmaf(m, x[i].xs32[b], accm[i]);
+            }
+        }
+        for (int i = 0; i < mr; ++i) {
+            float v = accd[i] + accm[i];
+            if (add != NULL) v += add[i * ldy + r];
+            y[i * ldy + r] = v;
+        }
+    }
+}
+
 /* Any number of rows of x against a strip whose blocks are in buf (4 rows of x at a time). */
 static void strip_buffered(const struct lanes *buf, int half, __mmask16 km, const uint8_t *xbuf,
                            int64_t xrb, int64_t m_dim, float *y, const float *add, int64_t ldy,
@@ -533,7 +634,7 @@ static int q8_linear(const struct q8_source *src, const uint8_t *xbuf, float *y,
 #else
     const int64_t amx_rows = 0;
 #endif
-    const int t = src->ggml_type, direct = gathers_direct(t);
+    const int t = src->ggml_type, direct = gathers_direct(t), by_rows = rows_path();
     const int64_t steps = src->half ? k_dim / 16 : k_dim / 32;
     int failed = 0;
     if (num_threads < 1) num_threads = 1;
@@ -564,6 +665,16 @@ static int q8_linear(const struct q8_source *src, const uint8_t *xbuf, float *y,
             const __mmask16 km = (__mmask16)(rows == STRIP ? 0xFFFF : (1u << rows) - 1);
             const uint8_t *base = src->w + n0 * src->row_bytes;
             const float *a = add == NULL ? NULL : add + n0;
+            if (direct && m_dim <= DIRECT_ROWS && by_rows) {
+                switch (t) { /* one instance per type, as below */
+                case T_Q4_0: strip_rows(T_Q4_0, base, src->row_bytes, rows, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
+                case T_Q4_1: strip_rows(T_Q4_1, base, src->row_bytes, rows, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
+                case T_Q5_0: strip_rows(T_Q5_0, base, src->row_bytes, rows, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
+                case T_Q5_1: strip_rows(T_Q5_1, base, src->row_bytes, rows, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
+                default: strip_rows(T_Q8_0, base, src->row_bytes, rows, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
+                }
+                continue;
+            }
             if (direct && m_dim <= DIRECT_ROWS) {
                 switch (t) { /* one instance per type: the switch leaves the block loop */
                 case T_Q4_0: strip_direct(T_Q4_0, base, idx, km, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;

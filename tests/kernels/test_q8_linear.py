@@ -21,8 +21,12 @@ from tests.kernels.test_packed_linear import cols_for, random_packed
 
 T = GGMLQuantizationType
 TYPES = sorted(Q8_TYPES, key=int)
-PATHS = {"native": (), "vnni": ("TIDEGATE_NO_AMX",), "avx2": ("TIDEGATE_NO_AVX512",),
-         "portable": ("TIDEGATE_PORTABLE",)}
+# vnni-rows / vnni-lanes: up to 4 rows of x weight row by weight row (AMD's choice) or through
+# the gathered lanes (Intel's), whichever this CPU would take.
+PATHS = {"native": (), "vnni": ("TIDEGATE_NO_AMX",),
+         "vnni-rows": ("TIDEGATE_NO_AMX", "TIDEGATE_Q8_ROWS"),
+         "vnni-lanes": ("TIDEGATE_NO_AMX", "TIDEGATE_Q8_LANES"),
+         "avx2": ("TIDEGATE_NO_AVX512",), "portable": ("TIDEGATE_PORTABLE",)}
 
 
 @pytest.fixture(scope="module", params=list(PATHS))
@@ -34,8 +38,10 @@ def q8(request: pytest.FixtureRequest, native: NativeCpuKernels) -> NativeCpuKer
         lib = NativeCpuKernels(build(defines=PATHS[request.param]))
     except NativeBuildError as exc:  # e.g. AVX2 intrinsics on a CPU without them
         pytest.skip(f"{request.param} path does not build here: {exc}")
-    assert lib.q8_path == {"vnni": min(native.q8_path, 2), "avx2": 1, "portable": 0}[
-        request.param] or request.param == "avx2"  # (an AVX2 build without AVX2: portable)
+    vnni = min(native.q8_path, 2)
+    assert lib.q8_path == {"vnni": vnni, "vnni-rows": vnni, "vnni-lanes": vnni, "avx2": 1,
+                           "portable": 0}[request.param] or request.param == "avx2"
+    # (an AVX2 build without AVX2: portable)
     return lib
 
 
@@ -133,12 +139,14 @@ def test_every_path_computes_the_same_bits(native: NativeCpuKernels,
                                            q8: NativeCpuKernels) -> None:
     """The arithmetic is defined step by step (csrc/q8_linear_cpu.c), so the AMX, AVX-512, AVX2
     and portable paths agree exactly, not just closely (37 rows: AMX's 16 at a time, the
-    rest by vpdpbusd)."""
+    rest by vpdpbusd; 1 and 3 rows: the lanes or the weight rows one by one)."""
     rng = np.random.default_rng()
     for qtype in TYPES:
         weight = random_packed(qtype, 21, cols_for(qtype)[-1], rng).with_activations("int8")
-        x = torch.from_numpy(rng.standard_normal((37, weight.shape[1])).astype(np.float32))
-        assert torch.equal(q8.packed_linear(x, weight), native.packed_linear(x, weight)), qtype
+        for m in (1, 3, 37):
+            x = torch.from_numpy(rng.standard_normal((m, weight.shape[1])).astype(np.float32))
+            assert torch.equal(q8.packed_linear(x, weight), native.packed_linear(x, weight)), (
+                qtype, m)
     w = IntWeight.quantize(torch.randn(19, 256), 4, 16, symmetric=False).with_activations("int8")
     x = torch.randn(5, 256)
     assert torch.equal(q8.int_linear(x, w), native.int_linear(x, w))
