@@ -38,7 +38,9 @@
  *   the float kernel's speed on cold weights), up to DIRECT_ROWS rows of x go row by row
  *   instead: one weight row's block of 32 codes decoded into a 256-bit vector with plain
  *   loads, vpdpbusd against each row of x, the 8 partial sums added (exact), then the same
- *   float steps. TIDEGATE_Q8_ROWS / TIDEGATE_Q8_LANES (compile definitions) force either.
+ *   float steps. At more rows of x a strip's blocks are decoded there row by row too and
+ *   gathered into lanes from L1 (rows_to_lanes). TIDEGATE_Q8_ROWS / TIDEGATE_Q8_LANES (compile
+ *   definitions) force either.
  *   With AMX (Sapphire Rapids and later), 16 rows of x at a time take a block's integer sums
  *   from one tile instruction (tdpbsud: 16 x 16 outputs of 32 products each; the lanes'
  *   codes are already its second operand's layout), then the same float steps.
@@ -503,6 +505,23 @@ static inline __attribute__((always_inline)) __m256i rows_block(int t, const uin
     }
 }
 
+/* Block b of a strip into lanes without gathering from the matrix: each of its rows decoded
+ * with plain loads (rows_block) into tmp, then the lanes gathered from tmp, in L1. The same
+ * codes, d and m as gather_block. */
+static inline __attribute__((always_inline)) void rows_to_lanes(
+    int t, const uint8_t *base, int64_t row_bytes, int rows, __mmask16 km, int64_t b,
+    struct lanes *L) {
+    uint8_t tmp[STRIP * 32] __attribute__((aligned(64)));
+    float d[STRIP] = {0}, m[STRIP] = {0};
+    for (int r = 0; r < rows; ++r)
+        _mm256_store_si256((__m256i *)(tmp + 32 * r), rows_block(t, base + r * row_bytes, b, d + r, m + r));
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i idx = _mm512_slli_epi32(lane, 5);
+    for (int u = 0; u < 8; ++u) L->q[u] = gather4(idx, tmp + 4 * u, km);
+    L->d[0] = _mm512_maskz_loadu_ps(km, d);
+    L->m[0] = _mm512_maskz_loadu_ps(km, m);
+}
+
 static inline int32_t hsum8(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -685,7 +704,10 @@ static int q8_linear(const struct q8_source *src, const uint8_t *xbuf, float *y,
                 }
                 continue;
             }
-            if (direct) {
+            if (direct && by_rows) {
+                for (int64_t b = 0; b < k_dim / 32; ++b)
+                    rows_to_lanes(t, base, src->row_bytes, rows, km, b, &buf[b]);
+            } else if (direct) {
                 for (int64_t b = 0; b < k_dim / 32; ++b) gather_block(t, base, idx, km, b, &buf[b]);
             } else {
                 for (int r = 0; r < rows; ++r)
