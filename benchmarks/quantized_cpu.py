@@ -125,10 +125,15 @@ def plot(report: dict, path: str) -> None:
     if mixed:
         ax = axes[0][1]
         ax.bar([n for n, _ in mixed], [v["output_tok_s"] for _, v in mixed],
-               color=["#2ca02c", "#98df8a", "#1f77b4"][:len(mixed)])
+               color=["#1b7a1b", "#2ca02c", "#98df8a", "#1f77b4"][-len(mixed):])
         ax.set_title("32 mixed requests: output tokens/s")
+        for i, (_, v) in enumerate(mixed):
+            ax.text(i, v["output_tok_s"], f"{v['output_tok_s']:.0f}", ha="center", va="bottom")
     for ax in axes[0]:
         ax.tick_params(axis="x", labelsize=8)
+        # "tidegate packed int8, int8 KV" -> two lines: the names are wider than their bars
+        ax.set_xticks(ax.get_xticks(), [t.get_text().replace("tidegate ", "tidegate\n")
+                                        for t in ax.get_xticklabels()])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
