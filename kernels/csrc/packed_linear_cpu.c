@@ -21,6 +21,7 @@
 
 #include "float_tile.h"
 #include "ggml_blocks.h"
+#include "row_source.h"
 
 typedef float v16a __attribute__((vector_size(64)));
 typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
@@ -211,18 +212,6 @@ int tidegate_dequant_rows(int t, const uint8_t *w, int64_t k, const int64_t *ids
 #define SR_FEW NR
 #define SR_MANY 24
 #define FEW_ROWS 4
-
-/* Where a strip's rows come from: a GGML type's packed rows, or an integer matrix with group
- * scales and zero points (int_weight.py's layout). */
-struct row_source {
-    int ggml_type;        /* >= 0: GGML rows; -1: integers of `bits` bits */
-    const uint8_t *w;     /* row r starts at w + r * row_bytes */
-    int64_t row_bytes;
-    int bits;             /* integers: 4 or 8 */
-    int64_t group;        /* integers: columns per group */
-    const float *scales;  /* integers: [N, K / group] */
-    const uint8_t *zeros; /* integers: [N, K / group] */
-};
 
 /* One row of an integer matrix: (q - zero) * scale per group. 4 bits: each run of 32 columns
  * is 16 bytes, low nibbles columns 0-15, high nibbles 16-31 (as Q4_0). */

@@ -57,6 +57,7 @@
 #include <string.h>
 
 #include "ggml_blocks.h"
+#include "row_source.h"
 
 #if !defined(TIDEGATE_PORTABLE) && !defined(TIDEGATE_NO_AVX512) && defined(__AVX512F__) && \
     defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -153,18 +154,6 @@ void tidegate_quantize_rows_q8(const float *x, int64_t ldx, int64_t m, int64_t k
 /* ---------------------------------------------------------------------------------------- */
 /* Weights: codes and step scales                                                           */
 
-/* Where a strip's rows come from (as packed_linear_cpu.c's row_source). */
-struct q8_source {
-    int ggml_type;        /* >= 0: GGML rows; -1: integers of `bits` bits */
-    const uint8_t *w;     /* row r starts at w + r * row_bytes */
-    int64_t row_bytes;
-    int bits;             /* integers: 4 or 8 */
-    int64_t group;        /* integers: columns per group */
-    const float *scales;  /* integers: [N, K / group] */
-    const uint8_t *zeros; /* integers: [N, K / group] */
-    int half;             /* steps of 16 columns (Q6_K, 16-column groups), else 32 */
-};
-
 /* Q4_K / Q5_K's 6-bit scale and minimum of sub-block j (llama.cpp's get_scale_min_k4). */
 static inline void scale_min_k4(int j, const uint8_t *sc, uint8_t *scv, uint8_t *mv) {
     if (j < 4) {
@@ -177,7 +166,7 @@ static inline void scale_min_k4(int j, const uint8_t *sc, uint8_t *scv, uint8_t 
 }
 
 /* Row r as codes c[k] and per-step d[], m[] (k / 32 steps, or k / 16 with src->half). */
-static void decode_row(const struct q8_source *src, int64_t r, int64_t k, uint8_t *c, float *d,
+static void decode_row(const struct row_source *src, int64_t r, int64_t k, uint8_t *c, float *d,
                        float *m) {
     const uint8_t *p = src->w + r * src->row_bytes;
     switch (src->ggml_type) {
@@ -644,7 +633,7 @@ static void strip_amx16(const struct lanes *buf, __mmask16 km, const uint8_t *xb
 }
 #endif
 
-static int q8_linear(const struct q8_source *src, const uint8_t *xbuf, float *y, const float *add,
+static int q8_linear(const struct row_source *src, const uint8_t *xbuf, float *y, const float *add,
                      int64_t m_dim, int64_t n_dim, int64_t k_dim, int64_t ldy, int num_threads) {
     const int64_t strips = (n_dim + STRIP - 1) / STRIP, xrb = tidegate_q8_row_bytes(k_dim);
 #if defined(Q8_AMX)
@@ -772,7 +761,7 @@ static float row_dot(const uint8_t *c, const float *d, const float *m, int half,
     return accd + accm;
 }
 
-static int q8_linear(const struct q8_source *src, const uint8_t *xbuf, float *y, const float *add,
+static int q8_linear(const struct row_source *src, const uint8_t *xbuf, float *y, const float *add,
                      int64_t m_dim, int64_t n_dim, int64_t k_dim, int64_t ldy, int num_threads) {
     const int64_t strips = (n_dim + STRIP - 1) / STRIP, xrb = tidegate_q8_row_bytes(k_dim);
     const int64_t steps = src->half ? k_dim / 16 : k_dim / 32;
@@ -821,7 +810,7 @@ int tidegate_q8_packed_linear(int t, const uint8_t *xq, const uint8_t *w, float 
                               int64_t ldy, int num_threads) {
     const int64_t rb = tidegate_packed_row_bytes(t, k_dim);
     if (rb == 0 || t == T_F32 || t == T_F16 || t == T_BF16 || k_dim % 32) return -1;
-    const struct q8_source src = {t, w, rb, 0, 0, NULL, NULL, t == T_Q6_K};
+    const struct row_source src = {t, w, rb, 0, 0, NULL, NULL, t == T_Q6_K};
     return q8_linear(&src, xq, y, add, m_dim, n_dim, k_dim, ldy, num_threads);
 }
 
@@ -834,7 +823,7 @@ int tidegate_q8_int_linear(int bits, int64_t group, const uint8_t *xq, const uin
                            int num_threads) {
     if ((bits != 4 && bits != 8) || group <= 0 || k_dim % group || k_dim % 32 || group % 16)
         return -1;
-    const struct q8_source src = {-1, q, k_dim * bits / 8, bits, group, scales, zeros,
+    const struct row_source src = {-1, q, k_dim * bits / 8, bits, group, scales, zeros,
                                   group % 32 != 0};
     return q8_linear(&src, xq, y, add, m_dim, n_dim, k_dim, ldy, num_threads);
 }
