@@ -199,6 +199,8 @@ def batch1(loaded, copy_tbs: float, kv_cache_dtype: str = "auto") -> dict[str, f
     weight_bytes = loaded.weight_bytes()  # integer matrices as stored
     # The embedding table is read one row per token, not streamed.
     weight_bytes -= loaded.model.embed_tokens.weight.numel() * 2
+    # Experts: one token reads only its own (batch 1, bf16).
+    weight_bytes -= (cfg.num_params() - cfg.active_params()) * 2
     kv_per_token = (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
                     * (1 if kv_cache_dtype == "fp8" else 2))
     avg_ctx = 128 + 128
@@ -315,10 +317,13 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=SECTIONS,
                     default=[s for s in SECTIONS if s != "hf"])
     ap.add_argument("--out", default="gpu.json")
+    ap.add_argument("--model", default=MODEL,
+                    help="a random preset of any family, e.g. random:qwen2.5-7b, "
+                         "random:mixtral-8x7b (default %(default)s)")
     args = ap.parse_args()
     results: dict[str, object] = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "command": " ".join(sys.argv)}
+        "command": " ".join(sys.argv), "model": args.model}
     try:
         import triton
 
@@ -339,7 +344,7 @@ def main() -> None:
     loaded = None
     if {"batch1", "kv_fp8_batch1", "profile1", "offline", "mixed", "hfset"} & set(args.only):
         torch.manual_seed(0)
-        loaded = load_model(MODEL, device="cuda", dtype=torch.bfloat16)
+        loaded = load_model(args.model, device="cuda", dtype=torch.bfloat16)
     for name, fn in (("batch1", lambda: batch1(loaded, copy_tbs)),
                      ("kv_fp8_batch1", lambda: batch1(loaded, copy_tbs, "fp8")),
                      ("profile1", lambda: profile1(loaded)),
@@ -362,7 +367,7 @@ def main() -> None:
                 gc.collect()
                 torch.cuda.empty_cache()
                 torch.manual_seed(0)
-                loaded = load_model(MODEL, device="cuda", dtype=torch.bfloat16)
+                loaded = load_model(args.model, device="cuda", dtype=torch.bfloat16)
             quantize_loaded(loaded.model, bits, group)
             gc.collect()
             torch.cuda.empty_cache()

@@ -1,7 +1,8 @@
-"""The Triton SiLU-and-multiply (the SwiGLU gate): x [T, 2I] -> silu(gate) * up, [T, I].
+"""The Triton gated activations: x [T, 2I] -> silu(gate) * up (SwiGLU) or gelu_tanh(gate) * up
+(GeGLU, Gemma), [T, I].
 
-Same result as ``silu_and_mul_ref`` (``kernels/activation.py``) but computed in float32 and
-rounded once to x's dtype. Each program handles one block of one row's columns, so a wide
+Same results as ``silu_and_mul_ref`` / ``gelu_and_mul_ref`` (``kernels/activation.py``) but
+computed in float32 and rounded once to x's dtype. Each program handles one block of one row's columns, so a wide
 intermediate size (14336) spreads over many programs even for a single decode token.
 """
 
@@ -21,6 +22,7 @@ def _silu_and_mul_kernel(
     x_row_stride,
     inter,
     BLOCK: tl.constexpr,
+    GELU: tl.constexpr,
 ):
     # int64 row offsets: a padded row stride times a long prefill's T may pass 2**31.
     row = tl.program_id(0).to(tl.int64)
@@ -29,11 +31,21 @@ def _silu_and_mul_kernel(
     gate_ptrs = x_ptr + row * x_row_stride + cols
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
-    silu = gate / (1.0 + tl.exp(-gate))
-    tl.store(out_ptr + row * inter + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+    if GELU:
+        # gelu's tanh form; tanh(u) = 1 - 2 / (exp(2u) + 1) stays finite for any u.
+        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + row * inter + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+def gelu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] (gate then up) -> gelu_tanh(gate) * up, new [T, I]."""
+    return silu_and_mul_triton(x, gelu=True)
+
+
+def silu_and_mul_triton(x: torch.Tensor, *, gelu: bool = False) -> torch.Tensor:
     """x [T, 2I] (gate then up; any row stride, contiguous last dim) -> new [T, I]."""
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"x must be 2-D [T, 2I] with an even last dim, got {tuple(x.shape)}")
@@ -49,7 +61,8 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     # narrow enough that I = 14336 gives 14 programs per row.
     block = min(triton.next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(tokens, triton.cdiv(inter, block))](
-        x, out, x.stride(0), inter, BLOCK=block, num_warps=4 if block >= 512 else 1,
+        x, out, x.stride(0), inter, BLOCK=block, GELU=gelu,
+        num_warps=4 if block >= 512 else 1,
     )
     return out
 

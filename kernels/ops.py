@@ -11,12 +11,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul_ref
+from kernels.activation import gelu_and_mul_ref, silu_and_mul_ref
 from kernels.decoder_layer import DecoderWeights, LayerCall
 from kernels.dispatch import SERVE_ROWS, use_triton
 from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from kernels.linear import linear as linear_impl
+from kernels.moe import moe_ref
 from kernels.native_cpu import (
     native_kernels,
     rms_norm_applies,
@@ -34,9 +35,9 @@ from kernels.paged_attention import paged_attention as paged_attention_cpu
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import rotary_ref
 
-__all__ = ["decoder_layer", "embedding", "fuses_projections", "linear", "norm_linear",
-           "norm_project", "paged_attention", "paged_decode", "rms_norm", "rotary",
-           "rotary_store_kv", "silu_and_mul", "silu_project", "store_kv"]
+__all__ = ["decoder_layer", "embedding", "fuses_projections", "gelu_and_mul", "linear", "moe",
+           "norm_linear", "norm_project", "paged_attention", "paged_decode", "rms_norm",
+           "rotary", "rotary_store_kv", "silu_and_mul", "silu_project", "store_kv"]
 
 _layer_call: LayerCall | None = None
 
@@ -222,6 +223,27 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_ref(x)
 
 
+def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] (gate then up) -> gelu_tanh(gate) * up [T, I] (GeGLU)."""
+    if use_triton(x):
+        from kernels.activation_triton import gelu_and_mul_triton
+
+        return gelu_and_mul_triton(x)
+    return gelu_and_mul_ref(x)
+
+
+def moe(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+        top_k: int, *, renormalize: bool = True, activation: str = "silu") -> torch.Tensor:
+    """Routed experts: x [T, H] -> the weighted sum of each token's top-k experts' gated MLPs
+    (``kernels.moe``); one fused grouped-GEMM kernel on Triton."""
+    if use_triton(x):
+        from kernels.moe_triton import moe_triton
+
+        return moe_triton(x, router, w13, w2, top_k, renormalize=renormalize,
+                          activation=activation)
+    return moe_ref(x, router, w13, w2, top_k, renormalize=renormalize, activation=activation)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write each token's key and value into its cache slot; slots < 0 are skipped."""
@@ -233,23 +255,29 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
-    """The step's attention over the paged cache: decodes and prefill chunks -> [T, Hq, D]."""
+                    meta: PagedAttentionMetadata, scale: float, *, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """The step's attention over the paged cache: decodes and prefill chunks -> [T, Hq, D];
+    ``window`` (sliding-window layers) and ``softcap`` (soft-capped scores) where the model's
+    layer has them."""
     if use_triton(q):
         from kernels.paged_attention_triton import paged_attention_triton
 
-        return paged_attention_triton(q, key_cache, value_cache, meta, scale)
-    return paged_attention_cpu(q, key_cache, value_cache, meta, scale)
+        return paged_attention_triton(q, key_cache, value_cache, meta, scale, window=window,
+                                      softcap=softcap)
+    return paged_attention_cpu(q, key_cache, value_cache, meta, scale, window, softcap)
 
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                 num_splits: int) -> torch.Tensor:
+                 num_splits: int, *, window: int | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
     """Decode attention only (one query per sequence) with no host data at all, so it can be
     captured in a CUDA graph; ``num_splits`` splits each context for the Triton kernel."""
     if use_triton(q):
         from kernels.paged_attention_triton import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, key_cache, value_cache, block_tables, seq_lens,
-                                             scale, num_splits)
-    return paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
+                                             scale, num_splits, window=window, softcap=softcap)
+    return paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale,
+                                  window, softcap)

@@ -196,21 +196,36 @@ def paged_attention_ref(
     value_cache: torch.Tensor,
     meta: PagedAttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """The obviously-correct version: per sequence, gather by position, float32, causal."""
+    """The obviously-correct version: per sequence, gather by position, float32, causal;
+    ``window``: a query at p sees keys p - window < k <= p; ``softcap``: scores s ->
+    softcap * tanh(s / softcap)."""
     out = torch.empty_like(q)
     block_size, group = key_cache.shape[1], q.shape[1] // key_cache.shape[2]
     starts = meta.query_start_loc_host
     lens = zip(meta.seq_lens_host, meta.query_lens_host, strict=True)
+
+    def read(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        heads = cache[blocks, offsets]
+        heads = dequantize_kv_ref(heads) if kv_int8(cache) else heads.float()
+        return heads.repeat_interleave(group, dim=1)
+
     for s, (seq_len, q_len) in enumerate(lens):
         pos = torch.arange(seq_len, device=q.device)
         blocks = meta.block_tables[s].long()[pos // block_size]
-        k = key_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)
-        v = value_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)
+        k = read(key_cache, blocks, pos % block_size)
+        v = read(value_cache, blocks, pos % block_size)
         rows = slice(starts[s], starts[s] + q_len)
         scores = torch.einsum("qhd,khd->hqk", q[rows].float(), k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = pos[seq_len - q_len :, None]
-        scores = scores.masked_fill(pos[None, :] > q_pos, float("-inf"))
+        hidden = pos[None, :] > q_pos
+        if window is not None:
+            hidden |= pos[None, :] <= q_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out
 
@@ -222,19 +237,30 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, W] int32; W * block_size must cover the longest sequence
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Decode attention for the whole batch at once: one gather, one SDPA -> [B, Hq, D]."""
+    """Decode attention for the whole batch at once: one gather, one SDPA -> [B, Hq, D]
+    (explicit scores where ``softcap`` is set: SDPA has no soft-capping)."""
     b, _, d = q.shape
     _, block_size, hk, _ = key_cache.shape
     ctx = block_tables.shape[1] * block_size
     offsets = torch.arange(block_size, device=q.device)
     slots = (block_tables.long()[:, :, None] * block_size + offsets).view(b, ctx)
     valid = torch.arange(ctx, device=q.device) < seq_lens[:, None]  # [B, ctx]
+    if window is not None:
+        valid &= torch.arange(ctx, device=q.device) >= seq_lens[:, None] - window
     # Positions past seq_len read the sequence's first slot, which is always written: a mask
     # cannot hide an unwritten slot's NaN (NaN * 0 is NaN), a finite value it can.
     slots = torch.where(valid, slots, slots[:, :1]).view(-1)
     k = key_cache.view(-1, hk, d).index_select(0, slots).view(b, ctx, hk, d)
     v = value_cache.view(-1, hk, d).index_select(0, slots).view(b, ctx, hk, d)
+    if softcap is not None:
+        scores = torch.einsum("bhgd,bchd->bhgc", q.reshape(b, hk, -1, d).float(), k.float())
+        scores = torch.tanh(scores * scale / softcap) * softcap
+        scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
+        out = torch.einsum("bhgc,bchd->bhgd", scores.softmax(-1), v.float())
+        return out.reshape(q.shape).to(q.dtype)
     # GQA as heads-in-groups: kv head h serves query heads h*G .. h*G+G-1, as G queries sharing
     # one mask. On CPU ~20% faster than enable_gqa in float32 (the CPU default), ~15% slower
     # in bfloat16.
@@ -283,15 +309,20 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: PagedAttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The step's attention: decodes batched, prefill chunks per sequence -> [T, Hq, D].
 
     Decodes in float32 on the CPU go to the native kernel, which reads the cache in place,
     and so do prompt chunks, row by row with the decodes' arithmetic (a token's attention then
     does not depend on whether a decode or a prompt chunk computed it); elsewhere (and with
-    ``TIDEGATE_KERNELS=reference``) to the gather + SDPA paths below.
+    ``TIDEGATE_KERNELS=reference``) to the gather + SDPA paths below. A sliding window or
+    soft-capped scores (Mistral, Gemma) go to ``paged_attention_ref`` on the CPU.
     """
     check_shapes(q, key_cache, value_cache, meta)
+    if window is not None or softcap is not None:
+        return paged_attention_ref(q, key_cache, value_cache, meta, scale, window, softcap)
     if not native_decode_applies(q):
         _float_only(key_cache)
     nd, block_size = meta.num_decodes, key_cache.shape[1]

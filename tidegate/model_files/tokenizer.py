@@ -1,8 +1,9 @@
 """The model's tokenizer: text <-> ids, chat rendering and the ids that end generation.
 
 One ``Tokenizer`` wraps a ``tokenizers.Tokenizer`` built from whatever the model ships: a GGUF
-file's vocabulary and merges (rebuilt the way ``transformers`` rebuilds them, so ids match), a
-Hugging Face directory's tokenizer.json, or a byte-level vocabulary for random-weight models.
+file's vocabulary (byte-level BPE with its merges, or SentencePiece pieces with their scores;
+rebuilt the way ``transformers`` rebuilds them, so ids match), a Hugging Face directory's
+tokenizer.json, or a byte-level vocabulary for random-weight models.
 No torch and no transformers here: the API imports this to count prompt tokens.
 """
 
@@ -23,6 +24,7 @@ from tidegate.model_files.model_source import (
     context_length,
     gguf_header,
 )
+from tidegate.model_files.sentencepiece_bpe import sentencepiece_backend
 from tidegate.protocol import ChatMessage
 
 # Specials of the byte-level tokenizer of random-weight models, after the 256 byte tokens.
@@ -137,24 +139,39 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
 def _gguf_tokenizer(path: Path) -> Tokenizer:
     header = gguf_header(path, tensors=False)
     meta = header.metadata
-    if meta.get("tokenizer.ggml.model") != "gpt2":
+    model = meta.get("tokenizer.ggml.model")
+    if model not in ("gpt2", "llama"):
         raise ModelLoadError(
-            f"{path}: tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported "
-            "(only byte-level BPE, 'gpt2', as in Llama 3 and SmolLM)"
+            f"{path}: tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2', "
+            "as in Llama 3 and SmolLM, and SentencePiece, 'llama', as in Llama 2 and Mistral)"
         )
     tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
-    merges: list[str] = meta.get("tokenizer.ggml.merges") or []
     if not tokens:
         raise ModelLoadError(f"{path}: GGUF has no tokenizer.ggml.tokens")
-    special_ids = {meta.get(f"tokenizer.ggml.{k}") for k in
-                   ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")}
-    backend = gguf_backend(tokens, merges, meta.get("tokenizer.ggml.token_type") or [],
-                           meta.get("tokenizer.ggml.pre"),
-                           {i for i in special_ids if isinstance(i, int)})
 
     def token(key: str) -> str | None:
         token_id = meta.get(f"tokenizer.ggml.{key}")
         return tokens[token_id] if isinstance(token_id, int) and token_id < len(tokens) else None
+
+    special_keys = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+    token_types = meta.get("tokenizer.ggml.token_type") or []
+    if model == "gpt2":
+        special_ids = {meta.get(f"tokenizer.ggml.{k}") for k in special_keys}
+        backend = gguf_backend(tokens, meta.get("tokenizer.ggml.merges") or [], token_types,
+                               meta.get("tokenizer.ggml.pre"),
+                               {i for i in special_ids if isinstance(i, int)})
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    else:
+        try:
+            # Merges only when the file lists them (an empty list included), as transformers.
+            backend = sentencepiece_backend(
+                header.architecture, tokens, meta.get("tokenizer.ggml.scores"), token_types,
+                meta.get("tokenizer.ggml.merges"),
+                [t for t in map(token, special_keys) if t is not None])
+        except ValueError as exc:
+            raise ModelLoadError(f"{path}: {exc}") from exc
+        # Files older than the flag want BOS: llama.cpp adds it to SentencePiece vocabularies.
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
 
     # End-of-turn / end-of-message ids that newer llama.cpp converters record beside eos.
     extra = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -164,7 +181,7 @@ def _gguf_tokenizer(path: Path) -> Tokenizer:
         bos_token=token("bos_token_id"),
         eos_token=token("eos_token_id"),
         extra_eos_token_ids=extra,
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos=add_bos,
         chat_template=meta.get("tokenizer.chat_template"),
         max_context=int(meta.get(f"{header.architecture}.context_length", 2048)),
         template_variables={"unk_token": token("unknown_token_id"),

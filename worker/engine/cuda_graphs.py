@@ -23,7 +23,7 @@ import torch
 from kernels import ops
 from kernels.paged_attention import padded_tables
 from kernels.paged_attention_triton import default_num_splits
-from worker.models.llama import LlamaModel
+from worker.models.decoder import DecoderModel, LayerAttention
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -47,12 +47,14 @@ class GraphDecodeAttention:
         self.num_splits = num_splits
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+               positions: torch.Tensor, rope_cache: torch.Tensor, spec: LayerAttention
+               ) -> torch.Tensor:
         key_cache, value_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         q, k = ops.rotary_store_kv(q, k, v, positions, rope_cache, key_cache, value_cache,
                                    self.slot_mapping)
         return ops.paged_decode(q, key_cache, value_cache, self.block_tables, self.seq_lens,
-                                self.scale, self.num_splits)
+                                spec.scale, self.num_splits, window=spec.window,
+                                softcap=spec.softcap)
 
     def paged_layer(self, layer: int) -> None:
         return None  # captured steps run op by op (the whole-layer kernel is the CPU's)
@@ -67,7 +69,7 @@ class _Captured:
 class CudaGraphDecoder:
     """Captures decode steps for ``capture_sizes(max_batch)`` and runs batches through them."""
 
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, *, block_size: int,
+    def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, *, block_size: int,
                  max_batch: int, max_model_len: int, scale: float) -> None:
         device = kv_cache.device
         if device.type != "cuda":

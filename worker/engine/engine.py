@@ -29,7 +29,7 @@ from worker.engine.model_runner import ModelRunner
 from worker.engine.sampler import SamplerLaunch, TokenLogprobs, is_penalised
 from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.engine.sequence import SeqStatus, Sequence
-from worker.models.llama import LlamaModel
+from worker.models.decoder import DecoderModel
 
 log = logging.getLogger("tidegate.engine")
 
@@ -135,7 +135,7 @@ class _Sampled:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
+    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
         self.tokenizer = tokenizer
         self.config = config
         param = next(model.parameters())

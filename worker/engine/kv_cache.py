@@ -15,7 +15,7 @@ import torch
 
 from kernels.dispatch import kernel_mode
 from kernels.native_cpu import native_kernels
-from worker.models.llama import LlamaConfig
+from worker.models.config import ModelConfig
 
 GIB = 1 << 30
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
@@ -64,19 +64,19 @@ def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype, device: torch.devi
     return torch.float8_e4m3fn
 
 
-def head_bytes(cfg: LlamaConfig, dtype: torch.dtype) -> int:
+def head_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of one cached head: its values, and in an int8 cache their float32 scale."""
     if dtype == torch.int8:
         return cfg.head_dim + 4
     return cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def bytes_per_block(cfg: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * head_bytes(cfg, dtype)
 
 
 def plan_kv_cache(
-    cfg: LlamaConfig, dtype: torch.dtype, device: torch.device, *, block_size: int = 16,
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, *, block_size: int = 16,
     kv_cache_gb: float | None = None, memory_fraction: float | None = None,
     num_blocks: int | None = None,
 ) -> KVCacheSpec:
@@ -99,7 +99,7 @@ def plan_kv_cache(
 
 
 def allocate_kv_cache(
-    cfg: LlamaConfig, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device
+    cfg: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     # Zeroed rather than empty: padding lanes in batched kernels may read unused slots.
     row = cfg.head_dim + 4 if dtype == torch.int8 else cfg.head_dim

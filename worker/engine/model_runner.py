@@ -19,7 +19,7 @@ from kernels.paged_attention import PagedAttentionMetadata, PagedLayer, upload
 from worker.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker.engine.sampler import Sampler, SamplerLaunch, SamplerOutput
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
-from worker.models.llama import LlamaModel
+from worker.models.decoder import DecoderModel, LayerAttention
 
 
 def slot_of(table: list[int], position: int, block_size: int) -> int:
@@ -37,12 +37,13 @@ class PagedAttention:
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        positions: torch.Tensor, rope_cache: torch.Tensor,
+        positions: torch.Tensor, rope_cache: torch.Tensor, spec: LayerAttention,
     ) -> torch.Tensor:
         key_cache, value_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         q, k = ops.rotary_store_kv(q, k, v, positions, rope_cache, key_cache, value_cache,
                                    self.meta.slot_mapping)
-        return ops.paged_attention(q, key_cache, value_cache, self.meta, self.scale)
+        return ops.paged_attention(q, key_cache, value_cache, self.meta, spec.scale,
+                                   window=spec.window, softcap=spec.softcap)
 
     def paged_layer(self, layer: int) -> PagedLayer:
         return PagedLayer(self.kv_cache[layer, 0], self.kv_cache[layer, 1], self.meta,
@@ -60,7 +61,7 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, spec: KVCacheSpec, *, max_model_len: int | None = None,
+    def __init__(self, model: DecoderModel, spec: KVCacheSpec, *, max_model_len: int | None = None,
                  cuda_graph_max_batch: int = 0, kv_dtype: torch.dtype | None = None) -> None:
         """``cuda_graph_max_batch`` > 0 (CUDA only): capture decode steps of up to that many
         sequences, each context up to ``max_model_len`` tokens, in CUDA graphs. ``kv_dtype``:

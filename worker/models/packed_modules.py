@@ -31,9 +31,11 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.weight = weight
         self.out_features, self.in_features = weight.shape
+        self.register_parameter("bias", None)  # a float bias, where the model has one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight)
+        out = ops.linear(x, self.weight)
+        return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {'+'.join(self.weight.types)}"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.models.llama import CausalAttention, LlamaModel
+from worker.models.decoder import CausalAttention, DecoderModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +29,7 @@ class Perplexity:
     seconds: float
 
 
-def perplexity(model: LlamaModel, ids: Sequence[int], *, context: int = 512,
+def perplexity(model: DecoderModel, ids: Sequence[int], *, context: int = 512,
                progress: Callable[[int, int], None] | None = None) -> Perplexity:
     """Score ``ids`` in windows of ``context`` tokens (see the module docstring).
 

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
-from worker.models.llama import LlamaConfig
+from worker.models.config import ModelConfig
 from worker.quantization.checkpoint_layouts import (
     awq_layout,
     compressed_tensors_layout,
@@ -40,7 +40,7 @@ class SavesTokenizer(Protocol):
     def save(self, model_dir: Path) -> None: ...
 
 
-def write_checkpoint(path: Path, config: LlamaConfig | Mapping[str, Any],
+def write_checkpoint(path: Path, config: ModelConfig | Mapping[str, Any],
                      tensors: Mapping[str, torch.Tensor],
                      weights: Mapping[str, IntWeight | Fp8Weight],
                      tokenizer: SavesTokenizer | Path | None = None, *,
@@ -49,7 +49,7 @@ def write_checkpoint(path: Path, config: LlamaConfig | Mapping[str, Any],
                      scale_dtype: torch.dtype | None = None) -> int:
     """Write the model directory ``path``; returns the bytes written.
 
-    ``config``: the model's ``LlamaConfig`` (config.json is built from it) or an HF config.json
+    ``config``: the model's ``ModelConfig`` (config.json is built from it) or an HF config.json
     dict (written as is, plus the quantization_config). ``tensors``: HF-named float tensors,
     read lazily; those of quantized linears are skipped. ``weights``: the integers (or FP8
     values: compressed-tensors only) of each quantized linear, by HF weight name.
@@ -98,7 +98,7 @@ def write_checkpoint(path: Path, config: LlamaConfig | Mapping[str, Any],
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
-def hf_config_json(config: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
+def hf_config_json(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     """config.json of a ``LlamaForCausalLM`` of ``config``'s shape (rope in the legacy
     rope_theta / rope_scaling keys, which transformers 4 and 5 and vLLM all read)."""
     scaling = config.rope_scaling

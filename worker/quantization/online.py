@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
-from worker.models.llama import LlamaConfig, LlamaModel, layer_matrices
+from worker.models.config import ModelConfig
+from worker.models.decoder import DecoderModel, layer_matrices
 from worker.models.packed_modules import PackedLinear
 
 METHODS = ("fp8", "rtn-int8", "rtn-int4")
@@ -21,14 +22,14 @@ METHODS = ("fp8", "rtn-int8", "rtn-int4")
 AUTO_GROUPS = (128, 64, 32)
 
 
-def auto_group(config: LlamaConfig) -> int | None:
+def auto_group(config: ModelConfig) -> int | None:
     """The 4-bit group size for ``config``'s projections: the first of ``AUTO_GROUPS`` that
     divides their input widths (hidden size, attention width, intermediate size), or None."""
     widths = (config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
     return next((g for g in AUTO_GROUPS if all(w % g == 0 for w in widths)), None)
 
 
-def quantize_model_at_load(model: LlamaModel, method: str) -> int:
+def quantize_model_at_load(model: DecoderModel, method: str) -> int:
     """``method`` (one of ``METHODS``) applied to ``model``'s float projections; returns how
     many matrices were quantized."""
     if method == "fp8":
@@ -43,7 +44,7 @@ def quantize_model_at_load(model: LlamaModel, method: str) -> int:
     raise ValueError(f"quantize must be one of {', '.join(METHODS)}, got {method!r}")
 
 
-def quantize_loaded(model: LlamaModel, bits: int | str, group_size: int | None = None,
+def quantize_loaded(model: DecoderModel, bits: int | str, group_size: int | None = None,
                     symmetric: bool = True) -> int:
     """Round-to-nearest quantization of a loaded model's decoder projections in place, on its
     device. ``bits``: 4 or 8 (integers in groups of ``group_size``, None: one per row), or

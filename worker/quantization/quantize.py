@@ -34,12 +34,8 @@ from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from tidegate.model_files.model_source import ModelLoadError, ModelSource, resolve_model
 from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
-from worker.models.llama import (
-    CausalAttention,
-    DecoderLayer,
-    LlamaConfig,
-    layer_matrices,
-)
+from worker.models.config import ModelConfig
+from worker.models.decoder import CausalAttention, DecoderLayer, layer_matrices
 from worker.models.loaders.gguf_weights import GGUFWeights
 from worker.models.loaders.hf_weights import SafetensorsWeights
 from worker.models.loaders.loader import load_model
@@ -158,7 +154,7 @@ def _check_fp8_options(options: QuantizeOptions) -> None:
                             "channel (auto or -1)")
 
 
-def _round_to_nearest(config: LlamaConfig, tensors: Mapping[str, torch.Tensor],
+def _round_to_nearest(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
                       rounded: Callable[[torch.Tensor], IntWeight | Fp8Weight],
                       progress: Progress | None) -> dict[str, IntWeight | Fp8Weight]:
     """Every decoder projection of ``tensors`` through ``rounded``, one at a time."""
@@ -171,7 +167,7 @@ def _round_to_nearest(config: LlamaConfig, tensors: Mapping[str, torch.Tensor],
     return out
 
 
-def _source(spec: str) -> tuple[ModelSource, LlamaConfig, Mapping[str, torch.Tensor], Tokenizer]:
+def _source(spec: str) -> tuple[ModelSource, ModelConfig, Mapping[str, torch.Tensor], Tokenizer]:
     try:
         source = resolve_model(spec)
     except ModelLoadError as exc:
@@ -194,7 +190,7 @@ def _source(spec: str) -> tuple[ModelSource, LlamaConfig, Mapping[str, torch.Ten
     return source, weights.config, weights, tokenizer
 
 
-def _group_size(config: LlamaConfig, bits: int, group: int | None | str) -> int | None:
+def _group_size(config: ModelConfig, bits: int, group: int | None | str) -> int | None:
     """The group size every projection takes (None: one group per row)."""
     widths = {config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size}
     if group == "auto":  # 8 bits: W8A16's usual scheme, a scale per output channel
@@ -222,7 +218,7 @@ def _windows(tokenizer: Tokenizer, text: str, context: int, max_windows: int
     return [torch.tensor(ids[i * context:(i + 1) * context]) for i in range(count)]
 
 
-def _gptq_model(source: ModelSource, config: LlamaConfig, windows: list[torch.Tensor],
+def _gptq_model(source: ModelSource, config: ModelConfig, windows: list[torch.Tensor],
                 bits: int, group: int | None, options: QuantizeOptions,
                 progress: Progress | None) -> dict[str, IntWeight]:
     """GPTQ layer by layer over the calibration windows (float32 on the CPU)."""
@@ -292,7 +288,7 @@ def _awq_model(source: ModelSource, windows: list[torch.Tensor], bits: int, grou
     return out, folded
 
 
-def _quantize_layer(layer: DecoderLayer, index: int, config: LlamaConfig,
+def _quantize_layer(layer: DecoderLayer, index: int, config: ModelConfig,
                     quantize: Callable[[str, torch.Tensor], IntWeight]) -> dict[str, IntWeight]:
     """Each HF matrix of layer ``index`` (the rows of its fused projection) through
     ``quantize`` (attribute, float rows); the fused projections then hold the rounded values,
@@ -327,7 +323,7 @@ def _spaced_rows(x: torch.Tensor, count: int) -> torch.Tensor:
     return x[torch.linspace(0, x.shape[0] - 1, count).long()]
 
 
-def _rows_of(config: LlamaConfig, name: str) -> int:
+def _rows_of(config: ModelConfig, name: str) -> int:
     if ".k_proj." in name or ".v_proj." in name:
         return config.num_kv_heads * config.head_dim
     if ".q_proj." in name:

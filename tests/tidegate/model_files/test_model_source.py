@@ -113,13 +113,13 @@ def test_directory_missing_a_file_names_it(tmp_path: Path, missing: str, message
 
 def test_directory_of_another_architecture_is_refused(tmp_path: Path) -> None:
     path = make_hf_dir(tmp_path / "m", model_type="gpt2")
-    with pytest.raises(ModelLoadError, match=r"config.json: model_type 'gpt2' is not a Llama"):
+    with pytest.raises(ModelLoadError, match=r"config.json: model_type 'gpt2' is not supported"):
         resolve_model(str(path))
 
 
 def test_gguf_of_another_architecture_is_refused(tmp_path: Path) -> None:
     path = make_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
-    with pytest.raises(ModelLoadError, match=rf"{path}: architecture 'gpt2' is not a Llama"):
+    with pytest.raises(ModelLoadError, match=rf"{path}: architecture 'gpt2' is not supported"):
         resolve_model(str(path))
 
 

@@ -130,9 +130,9 @@ def test_missing_tensor_is_named(tmp_path: Path) -> None:
 def test_unsupported_rope_type_is_refused(tmp_path: Path) -> None:
     path = write_hf_dir(tiny_hf_model(tied=False), tmp_path / "m")
     config = json.loads((path / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    config["rope_parameters"] = {"rope_type": "proportional", "factor": 4.0, "rope_theta": 10000.0}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"config.json: rope_type 'yarn' is not supported"):
+    with pytest.raises(ModelLoadError, match=r"config.json: rope_type 'proportional' is not supported"):
         load_model(str(path))
 
 

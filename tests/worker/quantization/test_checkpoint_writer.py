@@ -23,7 +23,8 @@ from tests.worker.hf_oracle import causal_logits
 from tests.worker.quantized_checkpoints import linear_names, random_int_weights
 from tests.worker.quantized_checkpoints import load_exact_model as load_model
 from tests.worker.tiny_checkpoints import tiny_hf_model, write_hf_dir
-from worker.models.llama import LlamaConfig, LlamaModel
+from worker.models.config import ModelConfig
+from worker.models.decoder import DecoderModel
 from worker.models.loaders.hf_weights import hf_llama_config
 from worker.models.loaders.quantized.quantized_safetensors import QuantizedSafetensors
 from worker.quantization.checkpoint_writer import write_checkpoint
@@ -80,7 +81,7 @@ def test_transformers_loads_our_compressed_tensors_checkpoint_to_our_values(
     loaded = hf.state_dict()
     for name in reader.quantized:
         assert torch.equal(loaded[name].float(), reader[name]), name
-    model = LlamaModel(reader.config).eval()
+    model = DecoderModel(reader.config).eval()
     model.load_hf_state_dict(reader)
     packed = load_model(str(tmp_path))
     assert packed.packed_types() == [next(iter(weights.values())).types[0]]
@@ -197,9 +198,9 @@ class SavedTokenizer:
 
 def test_a_config_of_our_own_shape_reads_back_in_tidegate_and_transformers(
         tmp_path: Path, float_dir: Path) -> None:
-    """A source without config.json (a GGUF): config.json is built from the LlamaConfig,
+    """A source without config.json (a GGUF): config.json is built from the ModelConfig,
     Llama-3 rope scaling included, and the tokenizer saves itself beside it."""
-    ours = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_layers=2,
+    ours = ModelConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
                        rope_theta=500000.0, max_position_embeddings=256,
                        rope_scaling=Llama3Scaling(8.0, 1.0, 4.0, 32))

@@ -21,7 +21,7 @@ from tests.worker.quantized_checkpoints import load_exact_model as load_model
 from tests.worker.tiny_checkpoints import tiny_hf_model, write_gguf, write_hf_dir
 from tidegate.protocol import SamplingParams
 from worker.engine.engine import Engine, EngineConfig, EngineRequest
-from worker.models.llama import CausalAttention
+from worker.models.decoder import CausalAttention
 from worker.models.loaders.loader import LoadedModel
 from worker.models.packed_modules import PackedLinear
 from worker.quantization.online import quantize_loaded

@@ -37,3 +37,13 @@ def test_calibration_runs_at_any_seat_count_and_leaves_the_counters_at_zero(
     assert samples["tidegate_prefix_cache_queries_total"] == 0
     assert samples["tidegate_prefix_cache_hits_total"] == 0
     assert samples["tidegate_num_preemptions_total"] == 0
+
+
+@pytest.mark.parametrize("max_model_len", [16, 256])
+def test_calibration_fits_a_short_context(tiny: LoadedModel, max_model_len: int) -> None:
+    # A model whose context is shorter than the 256-token calibration prompt (a test
+    # checkpoint of 256 positions) still starts.
+    engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(
+        max_model_len=max_model_len, max_num_seqs=4, kv_cache_gb=0.05))
+    calibrate(engine, LoadShedder())
+    assert not engine.has_unfinished() and engine.stats.steps == 0

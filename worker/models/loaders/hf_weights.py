@@ -1,4 +1,5 @@
-"""Llama weights from a Hugging Face model directory: config.json and *.safetensors shards."""
+"""Weights from a Hugging Face model directory: config.json (read by the model's family,
+``worker.models.families``) and *.safetensors shards."""
 
 from __future__ import annotations
 
@@ -9,55 +10,28 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kernels.rotary import Llama3Scaling
 from tidegate.model_files.model_source import ModelLoadError, hf_config
-from worker.models.llama import LlamaConfig
+from worker.models.config import ModelConfig
+from worker.models.families import Family, family_of
 
 
-def hf_llama_config(model_dir: Path) -> LlamaConfig:
-    """``LlamaConfig`` from config.json; refuses what our model does not implement."""
+def hf_model_config(model_dir: Path) -> tuple[Family, ModelConfig]:
+    """The family and ``ModelConfig`` of config.json; refuses what tidegate does not implement,
+    naming the file and the field."""
     cfg = hf_config(model_dir)
     where = model_dir / "config.json"
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported")
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise ModelLoadError(f"{where}: {flag}=true is not supported")
-    heads = int(cfg["num_attention_heads"])
-    # transformers 5 writes rope settings under rope_parameters; older configs use rope_theta
-    # and rope_scaling at the top level.
-    rope: dict[str, Any] = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    family = family_of(cfg, where)
     try:
-        return LlamaConfig(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10_000.0))),
-            rope_scaling=_rope_scaling(rope, where),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
-    except KeyError as exc:
-        raise ModelLoadError(f"{where}: missing {exc.args[0]!r}") from exc
+        return family, family.config(cfg, where)
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{where}: {exc}") from exc
 
 
-def _rope_scaling(rope: Mapping[str, Any], where: Path) -> Llama3Scaling | None:
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise ModelLoadError(f"{where}: rope_type {kind!r} is not supported (default, llama3)")
-    return Llama3Scaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-    )
+def hf_llama_config(model_dir: Path) -> ModelConfig:
+    """``ModelConfig`` of config.json (any family; the name predates the others)."""
+    return hf_model_config(model_dir)[1]
 
 
 class SafetensorsWeights(Mapping[str, torch.Tensor]):
@@ -65,7 +39,8 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
 
     def __init__(self, model_dir: Path) -> None:
         self.path = model_dir
-        self.config = hf_llama_config(model_dir)
+        self.family, self.config = hf_model_config(model_dir)
+        self.sources = self.family.tensor_sources(self.config)
         self._files: dict[str, Path] = {}
         self._handles: dict[Path, Any] = {}
         shards = sorted(model_dir.glob("*.safetensors"))

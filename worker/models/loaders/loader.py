@@ -1,7 +1,7 @@
-"""Turn a model spec into a ready ``LlamaModel`` with its config and tokenizer.
+"""Turn a model spec into a ready ``DecoderModel`` with its config and tokenizer.
 
 The format-specific readers live beside this file (``gguf_weights``, ``hf_weights``,
-``random_weights``); each yields a ``LlamaConfig`` and, for real weights, a lazy mapping of
+``random_weights``); each yields a ``ModelConfig`` and, for real weights, a lazy mapping of
 HF-named tensors, so a checkpoint is copied into the model one tensor at a time and never held
 twice in memory.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +33,10 @@ import torch
 from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from kernels.native_cpu import native_kernels
-from kernels.rotary import cos_sin_cache
 from tidegate.model_files.model_source import ModelLoadError, ModelSource, resolve_model
 from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
-from worker.models.llama import LlamaConfig, LlamaModel
+from worker.models.config import ModelConfig
+from worker.models.decoder import DecoderModel, TensorSource, global_rope, local_rope
 from worker.models.loaders.gguf_weights import GGUFWeights
 from worker.models.loaders.hf_weights import SafetensorsWeights
 from worker.models.loaders.quantized.quantized_safetensors import (
@@ -49,8 +49,8 @@ from worker.models.packed_modules import PackedMatrix, use_activations
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel  # in eval mode, on the requested device and dtype
-    config: LlamaConfig
+    model: DecoderModel  # in eval mode, on the requested device and dtype
+    config: ModelConfig
     tokenizer: Tokenizer
     source: ModelSource
     load_s: float  # wall time of load_model, tokenizer included
@@ -138,16 +138,18 @@ def load_model(
                 f"{source.path}: packed weights run on the CPU in float32 with the native "
                 "kernels (TIDEGATE_KERNELS auto or native)" + (", or on CUDA" if quantized
                                                               else ""))
+        sources = weights.sources
         try:
             if packed and isinstance(weights, GGUFWeights):
-                model = empty_model(config, device, dtype, packed=weights.packed)
+                model = empty_model(config, device, dtype, packed=weights.packed, sources=sources)
             elif packed and isinstance(weights, QuantizedSafetensors):
-                model = empty_model(config, device, dtype, packed=weights.quantized_weight)
+                model = empty_model(config, device, dtype, packed=weights.quantized_weight,
+                                    sources=sources)
             else:
                 model = empty_model(config, device, dtype)
             model.load_hf_state_dict(
                 DequantizedView(weights) if isinstance(weights, QuantizedSafetensors)
-                else weights)
+                else weights, sources)
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(f"{source.path}: {exc}") from exc
     loaded = LoadedModel(model, config, tokenizer, source, 0.0)
@@ -213,9 +215,9 @@ def packed_serves(device: str | torch.device, dtype: torch.dtype) -> bool:
             and native_kernels() is not None)
 
 
-def empty_model(config: LlamaConfig, device: str | torch.device, dtype: torch.dtype, *,
-                packed: Callable[[str], PackedMatrix | None] | None = None
-                ) -> LlamaModel:
+def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dtype, *,
+                packed: Callable[[str], PackedMatrix | None] | None = None,
+                sources: Sequence[TensorSource] | None = None) -> DecoderModel:
     """A model with uninitialised weights allocated once, in ``dtype`` on ``device``.
 
     Built on the meta device first so an 8B model never exists as a float32 CPU copy; the rope
@@ -224,14 +226,14 @@ def empty_model(config: LlamaConfig, device: str | torch.device, dtype: torch.dt
     allocated.
     """
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = DecoderModel(config)
     if packed is not None:
-        model.adopt_packed(packed)
+        model.adopt_packed(packed, sources)
     model = model.to(dtype=dtype).to_empty(device=device)
     for module in model.modules():  # packed weights are attributes, which Module.to leaves
         if isinstance(weight := getattr(module, "weight", None), IntWeight | Fp8Weight):
             module.weight = weight.to(device)
-    model.rope_cache = cos_sin_cache(
-        config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-    ).to(device)
+    model.rope_cache = global_rope(config).to(device)
+    if (local := local_rope(config)) is not None:
+        model.rope_cache_local = local.to(device)
     return model.eval()

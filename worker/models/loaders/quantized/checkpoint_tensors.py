@@ -12,14 +12,15 @@ import torch
 from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from tidegate.model_files.model_source import ModelLoadError
-from worker.models.llama import LlamaConfig, layer_matrices
+from worker.models.config import ModelConfig
+from worker.models.decoder import layer_matrices
 from worker.models.loaders.hf_weights import SafetensorsWeights
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 INTS = (torch.int8, torch.int16, torch.int32, torch.int64)
 
 
-def linear_shapes(config: LlamaConfig) -> dict[str, tuple[int, int]]:
+def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """Every linear's HF weight name -> its (out N, in K) shape."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     h, i = config.hidden_size, config.intermediate_size

@@ -74,6 +74,7 @@ class QuantizedSafetensors(Mapping[str, torch.Tensor]):
         self.quantization = found
         self.raw = SafetensorsWeights(model_dir)
         self.config = self.raw.config
+        self.family, self.sources = self.raw.family, self.raw.sources
         self.format = checkpoint_format(found, f"{model_dir / 'config.json'}")
         self._tensors = CheckpointTensors(self.raw, self.format.name)
         # HF weight name -> (N, K) of each linear the checkpoint stores quantized

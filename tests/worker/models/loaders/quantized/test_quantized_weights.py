@@ -36,7 +36,7 @@ from tests.worker.quantized_checkpoints import (
     with_scales_as,
 )
 from tests.worker.tiny_checkpoints import tiny_hf_model
-from worker.models.llama import LlamaModel
+from worker.models.decoder import DecoderModel
 from worker.models.loaders.quantized.quantized_safetensors import (
     QuantizedSafetensors,
     quantization_config,
@@ -288,7 +288,7 @@ def test_a_model_of_the_dequantized_weights_matches_transformers(tmp_path: Path,
         for name in weights:
             hf.get_parameter(name).copy_(reference[fmt](name.removesuffix(".weight")))
         want = hf(torch.tensor([IDS])).logits[0]
-    model = LlamaModel(reader.config).eval()
+    model = DecoderModel(reader.config).eval()
     model.load_hf_state_dict(reader)
     assert (causal_logits(model, IDS) - want).abs().max().item() < 1e-4
 
