@@ -93,12 +93,25 @@ class TidegateWebSocketProtocol(WebSocketsSansIOProtocol):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         # websockets refuses a handshake it cannot parse (a line over 8192 bytes, too many
-        # headers) into its own output buffer, which uvicorn never flushes: the client would
-        # wait for an answer that never comes. Answer it and close.
+        # headers) into its own output buffer, which uvicorn before 0.55 never flushes: the
+        # client would wait for an answer that never comes. Answer it and close.
         exc = self.conn.handshake_exc
         if exc is not None and not self.handshake_initiated and not self.transport.is_closing():
             self.transport.write(_handshake_refusal(exc))
             self.transport.close()
+
+    def handle_handshake_exception(self) -> None:
+        # uvicorn 0.55 and later answer such a handshake themselves, with websockets' plain
+        # text; answer in the API's JSON shape instead, as on every other refusal.
+        exc = self.conn.handshake_exc
+        if exc is None or self.transport.is_closing():
+            super().handle_handshake_exception()
+            return
+        self.handshake_complete = True
+        self.close_sent = True
+        self.conn.data_to_send()  # drop websockets' own answer
+        self.transport.write(_handshake_refusal(exc))
+        self.transport.close()
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)

@@ -26,13 +26,14 @@ from collections import ChainMap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kernels import ops
 from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
-from tidegate.model_files.model_source import ModelLoadError, ModelSource, resolve_model
+from tidegate.model_files.model_source import ModelLoadError, ModelSource, hf_config, resolve_model
 from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
 from worker.models.config import ModelConfig
 from worker.models.decoder import CausalAttention, DecoderLayer, layer_matrices
@@ -50,6 +51,10 @@ METHODS: dict[str, tuple[int, str]] = {
     "fp8": (8, "fp8"),
 }
 FORMATS = ("compressed-tensors", "gptq", "awq")
+# Families whose projections carry Llama's names (q/k/v/o, gate/up/down), which quantize rounds;
+# AWQ also folds scales into the norms before them, plain RMSNorm gains only.
+QUANTIZABLE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+AWQ_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # Calibration rows each projection's AWQ scale search sees (evenly spaced over the windows).
 AWQ_TOKENS = 2048
 
@@ -110,7 +115,11 @@ def quantize_model(spec: str, out: Path, options: QuantizeOptions,
                             "(--format gptq)")
     if out.exists() and any(out.iterdir()):
         raise QuantizeError(f"{out} exists and is not empty")
-    source, config, tensors, tokenizer = _source(spec)
+    source, config, tensors, tokenizer, config_json = _source(spec)
+    if algorithm == "awq" and config.family not in AWQ_FAMILIES:
+        raise QuantizeError(f"{spec}: AWQ folds its scales into the norms, which {config.family} "
+                            f"stores otherwise; AWQ takes {', '.join(AWQ_FAMILIES)} "
+                            "(gptq-int4 or rtn-int4 take this model)")
     group = _group_size(config, bits, options.group_size)
     if options.format == "awq" and (bits != 4 or group is None):
         raise QuantizeError("--format awq holds 4-bit integers in groups (not per channel)")
@@ -133,7 +142,7 @@ def quantize_model(spec: str, out: Path, options: QuantizeOptions,
 
     from worker.quantization.checkpoint_writer import write_checkpoint
 
-    written = write_checkpoint(out, config, tensors, weights, tokenizer,
+    written = write_checkpoint(out, config_json or config, tensors, weights, tokenizer,
                                format=options.format, symmetric=options.symmetric)
     return QuantizeReport(
         source=source.name, out=out, method=options.method, bits=bits,
@@ -167,7 +176,10 @@ def _round_to_nearest(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
     return out
 
 
-def _source(spec: str) -> tuple[ModelSource, ModelConfig, Mapping[str, torch.Tensor], Tokenizer]:
+def _source(spec: str) -> tuple[ModelSource, ModelConfig, Mapping[str, torch.Tensor], Tokenizer,
+                                dict[str, Any] | None]:
+    """The model to quantize, its config, tensors, tokenizer and (a directory) its config.json,
+    which the checkpoint keeps, so the family and its settings carry over."""
     try:
         source = resolve_model(spec)
     except ModelLoadError as exc:
@@ -187,7 +199,16 @@ def _source(spec: str) -> tuple[ModelSource, ModelConfig, Mapping[str, torch.Ten
         tokenizer = load_tokenizer(source)
     except ModelLoadError as exc:
         raise QuantizeError(str(exc)) from None
-    return source, weights.config, weights, tokenizer
+    family = weights.config.family
+    if family not in QUANTIZABLE_FAMILIES:
+        raise QuantizeError(f"{spec}: quantize rounds the q/k/v/o and gate/up/down projections "
+                            f"of {', '.join(QUANTIZABLE_FAMILIES)}; {family} stores them "
+                            "otherwise (fused or as experts)")
+    if source.kind == "gguf" and family != "llama":
+        raise QuantizeError(f"{spec}: a {family} GGUF: quantize its Hugging Face directory "
+                            "(a checkpoint written from a GGUF is a Llama config.json)")
+    config_json = hf_config(source.path) if source.kind == "hf" else None
+    return source, weights.config, weights, tokenizer, config_json
 
 
 def _group_size(config: ModelConfig, bits: int, group: int | None | str) -> int | None:
@@ -233,12 +254,12 @@ def _gptq_model(source: ModelSource, config: ModelConfig, windows: list[torch.Te
             stats = {attr: HessianStats(getattr(layer, attr).weight.shape[1])
                      for attr, _, _ in layer_matrices(i)}
             for w in range(len(windows)):
-                _run_layer(layer, i, hidden[w], residual[w], positions[w], model.rope_cache,
+                _run_layer(layer, i, hidden[w], residual[w], positions[w], model.rope_for(i),
                            lambda attr, x, stats=stats: stats[attr].add(x))
             hessians = {attr: st.matrix() for attr, st in stats.items()}
             out.update(_quantize_layer(layer, i, config, lambda attr, w, h=hessians: gptq_quantize(
                 w, h[attr], bits, group, options.symmetric, options.act_order, options.damp)))
-            _advance(layer, i, hidden, residual, positions, model.rope_cache)
+            _advance(layer, i, hidden, residual, positions, model.rope_for(i))
             if progress is not None:
                 progress("gptq layers", i + 1, len(model.layers))
     return out
@@ -261,7 +282,7 @@ def _awq_model(source: ModelSource, windows: list[torch.Tensor], bits: int, grou
         for i, layer in enumerate(model.layers):
             seen: dict[str, list[torch.Tensor]] = {attr: [] for attr, _, _ in layer_matrices(i)}
             for w in range(len(windows)):
-                _run_layer(layer, i, hidden[w], residual[w], positions[w], model.rope_cache,
+                _run_layer(layer, i, hidden[w], residual[w], positions[w], model.rope_for(i),
                            lambda attr, x, seen=seen: seen[attr].append(x))
             inputs = {attr: _spaced_rows(torch.cat(xs), AWQ_TOKENS) for attr, xs in seen.items()}
             s_qkv, s_gate_up, s_down = (
@@ -282,7 +303,7 @@ def _awq_model(source: ModelSource, windows: list[torch.Tensor], bits: int, grou
                 layer.post_attn_norm.detach().clone())
             out.update(_quantize_layer(layer, i, config, lambda attr, w: replace(
                 IntWeight.quantize(w, bits, group, options.symmetric), format="awq")))
-            _advance(layer, i, hidden, residual, positions, model.rope_cache)
+            _advance(layer, i, hidden, residual, positions, model.rope_for(i))
             if progress is not None:
                 progress("awq layers", i + 1, len(model.layers))
     return out, folded

@@ -51,6 +51,11 @@ ROPES: dict[str, dict[str, Any]] = {
     "linear": {"rope_type": "linear", "factor": 2.0},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    # Inside the original context (the prompts are shorter): the short factors, and the
+    # attention factor of 256 / 64 = 4x extension.
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 64,
+                 "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 4.0],
+                 "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0]},
 }
 
 

@@ -269,3 +269,31 @@ def test_the_quantized_default_model_serves_its_dequantized_tokens(tmp_path: Pat
         first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
         assert a == b, f"{prompt!r}: diverges at output token {first}"
     assert "Paris" in packed.tokenizer.decode(got[0])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_other_families_keep_their_config_and_compute_close(tmp_path: Path,
+                                                            family: str) -> None:
+    from tests.worker.models.family_checkpoints import write_family
+
+    _, src = write_family(family, tmp_path / "src")
+    done = quantize(str(src), str(tmp_path / "q"), "--method", "rtn-int8")
+    assert done.returncode == 0, done.stderr
+    written = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert written["model_type"] == json.loads((src / "config.json").read_text())["model_type"]
+    loaded, source = load_model(str(tmp_path / "q")), load_model(str(src))
+    assert loaded.config.family == family and loaded.packed_types() == ["int8-channel"]
+    assert rel(logits(loaded), logits(source)) < 0.03
+
+
+@pytest.mark.parametrize(("family", "method", "says"), [
+    ("phi3", "rtn-int8", "phi3 stores them otherwise"),
+    ("mixtral", "rtn-int4", "mixtral stores them otherwise"),
+])
+def test_families_quantize_cannot_round_are_refused_by_name(
+        tmp_path: Path, family: str, method: str, says: str) -> None:
+    from tests.worker.models.family_checkpoints import write_family
+
+    _, src = write_family(family, tmp_path / "src")
+    done = quantize(str(src), str(tmp_path / "q"), "--method", method)
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
