@@ -163,12 +163,20 @@ def _spawn_batch_worker(settings: Settings) -> subprocess.Popen | None:
 
 
 async def _wait_for_worker(settings: Settings, proc: subprocess.Popen) -> bool:
-    """True once a worker heartbeats; False if the child died first."""
+    """True once a worker heartbeats; False if the child died first. An unreachable Redis is
+    waited out (the worker and the API wait for it too), warned about once."""
     client = redis.asyncio.Redis.from_url(settings.redis_url)
+    warned = False
     try:
         while proc.poll() is None:
-            if [k async for k in client.scan_iter(match=keys.worker_heartbeat("*"), count=100)]:
-                return True
+            try:
+                pattern = keys.worker_heartbeat("*")
+                if [k async for k in client.scan_iter(match=pattern, count=100)]:
+                    return True
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                if not warned:
+                    log.warning("waiting for redis at %s: %s", redacted(settings.redis_url), exc)
+                    warned = True
             await asyncio.sleep(0.2)
         return False
     finally:
@@ -211,7 +219,7 @@ async def _serve(settings: Settings) -> int:
             base = f"http://{settings.host}:{settings.port}"
             print(f"tidegate is up: {base}  (redis {redacted(settings.redis_url)}, "
                   f"model {settings.model})\n  try: tidegate submit \"What is the capital of "
-                  f"France?\" --stream", flush=True)
+                  f"France? Answer in one sentence.\" --stream", flush=True)
 
     announcer = asyncio.create_task(announce())
     try:

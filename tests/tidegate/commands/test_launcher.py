@@ -59,3 +59,39 @@ def test_up_without_redis_server_uses_embedded_fakeredis_and_answers(tmp_path: P
             proc.kill()
             proc.wait(30)
 
+
+
+def test_up_waits_for_a_redis_that_is_not_there_yet(tmp_path: Path) -> None:
+    """Redis down at start (a restart, a slow container): `up` warns and waits, with no
+    traceback, and is up once Redis answers."""
+    from tests.conftest import RedisServer
+
+    server = RedisServer(free_port(), tmp_path)
+    port = free_port()
+    env = {**os.environ, "TIDEGATE_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidegate", "up", "--port", str(port), "--model", "random:tiny",
+         "--redis-url", server.url],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    assert proc.stdout is not None
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 90
+        for line in proc.stdout:
+            seen.append(line)
+            if "waiting for redis" in line and server.proc is None:
+                server.start()
+            if "tidegate is up" in line:
+                break
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        assert server.proc is not None, "".join(seen)  # it waited, then came up
+        assert not any("Traceback" in line for line in seen), "".join(seen)
+        proc.terminate()
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        server.stop()
