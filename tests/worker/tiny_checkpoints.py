@@ -86,6 +86,16 @@ def llama3_rope_freqs(head_dim: int, theta: float, rope: dict[str, Any]) -> np.n
     return np.array(out, dtype=np.float32)
 
 
+def add_shape(w: gguf.GGUFWriter, cfg: Any) -> None:
+    """The model's shape in ``w``'s architecture keys, from a transformers config."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+
+
 def add_byte_vocabulary(w: gguf.GGUFWriter) -> None:
     """The byte-level gpt2 vocabulary of ``VOCAB`` ids (bytes, then ``SPECIALS``), <s> as bos
     and </s> as eos, as the tiny HF directories' tokenizer.json has it."""
@@ -110,12 +120,7 @@ def write_gguf(model: LlamaForCausalLM, path: Path, *, arch: str = "llama",
     heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     theta = cfg.rope_parameters["rope_theta"]
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    add_shape(w, cfg)
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(head_dim)

@@ -187,14 +187,11 @@ class DecoderLayer(nn.Module):
         if self.experts is not None:
             x, residual = ops.rms_norm(hidden, self.post_attn_norm, eps, residual)
             out = self.experts(x)
-        elif cfg.hidden_act == "silu":
-            gate_up, residual = ops.norm_project(hidden, self.post_attn_norm, eps, residual,
-                                                 self.gate_up_proj.weight)
-            out = ops.silu_project(gate_up, self.down_proj.weight)
         else:
             gate_up, residual = ops.norm_project(hidden, self.post_attn_norm, eps, residual,
                                                  self.gate_up_proj.weight)
-            out = ops.linear(ops.gelu_and_mul(gate_up), self.down_proj.weight)
+            out = (ops.silu_project(gate_up, self.down_proj.weight) if cfg.hidden_act == "silu"
+                   else ops.linear(ops.gelu_and_mul(gate_up), self.down_proj.weight))
         if self.mlp_out_norm is not None:
             out = ops.rms_norm(out, self.mlp_out_norm, eps)[0]
         return out, residual
@@ -287,25 +284,23 @@ class DecoderModel(nn.Module):
                     raise ValueError(f"tensor {src.names[0]}: {'+'.join(embed.types)} "
                                      "embeddings are not implemented (GGUF blocks)")
                 continue
+            # Projections and the LM head only: experts (3-D) and norms stay float.
             if not src.param.endswith(("_proj.weight", "lm_head.weight")):
                 continue
             parts = [packed(name) for name in src.names]
             if any(part is None for part in parts):
                 continue
-            if src.param.startswith("layers.") and ".experts." in src.param:
-                raise ValueError(f"tensor {src.label}: packed experts are not implemented")
-            module = self.get_submodule(src.param.rsplit(".", 1)[0])
+            path = src.param.removesuffix(".weight")
+            module = self.get_submodule(path)
             weight = _stack(parts, src.label)  # type: ignore[arg-type]
             expected = tuple(module.weight.shape)
             if weight.shape != expected:
                 raise ValueError(f"tensor {src.label}: shape {weight.shape}, expected {expected}")
-            bias = module.bias
-            parent, _, attr = src.param.rsplit(".", 1)[0].rpartition(".")
-            owner = self.get_submodule(parent) if parent else self
             linear = PackedLinear(weight)
-            if bias is not None:
-                linear.bias = nn.Parameter(torch.empty_like(bias), requires_grad=False)
-            setattr(owner, attr, linear)
+            if module.bias is not None:
+                linear.bias = nn.Parameter(torch.empty_like(module.bias), requires_grad=False)
+            parent, _, attr = path.rpartition(".")
+            setattr(self.get_submodule(parent) if parent else self, attr, linear)
 
     def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor],
                            sources: Sequence[TensorSource] | None = None) -> None:

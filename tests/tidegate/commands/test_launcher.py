@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,21 @@ from tests.stack_process import children
 from tests.stack_process import is_alive as alive
 
 pytestmark = pytest.mark.slow
+
+
+def read_until_up(proc: subprocess.Popen, seen: list[str],
+                  on_line: Callable[[str], None] = lambda _line: None) -> None:
+    """Read `up`'s output into ``seen`` (``on_line`` sees each line) until its banner, then keep
+    draining it in the background so a full pipe never stalls the stack."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 90
+    for line in proc.stdout:
+        seen.append(line)
+        on_line(line)
+        if "tidegate is up" in line:
+            break
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
 
 
 def test_up_without_redis_server_uses_embedded_fakeredis_and_answers(tmp_path: Path) -> None:
@@ -28,16 +44,9 @@ def test_up_without_redis_server_uses_embedded_fakeredis_and_answers(tmp_path: P
         [sys.executable, "-m", "tidegate", "up", "--port", str(port), "--model", "random:tiny"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    assert proc.stdout is not None
     seen: list[str] = []
     try:
-        deadline = time.monotonic() + 90
-        for line in proc.stdout:
-            seen.append(line)
-            if "tidegate is up" in line:
-                break
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
-        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        read_until_up(proc, seen)
         assert any("fakeredis" in line for line in seen), "".join(seen)
         out = subprocess.run(
             [sys.executable, "-m", "tidegate", "submit", "hello", "--raw", "--max-tokens", "5",
@@ -74,18 +83,14 @@ def test_up_waits_for_a_redis_that_is_not_there_yet(tmp_path: Path) -> None:
          "--redis-url", server.url],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    assert proc.stdout is not None
     seen: list[str] = []
+
+    def on_line(line: str) -> None:
+        if "waiting for redis" in line and server.proc is None:
+            server.start()
+
     try:
-        deadline = time.monotonic() + 90
-        for line in proc.stdout:
-            seen.append(line)
-            if "waiting for redis" in line and server.proc is None:
-                server.start()
-            if "tidegate is up" in line:
-                break
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
-        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        read_until_up(proc, seen, on_line)
         assert server.proc is not None, "".join(seen)  # it waited, then came up
         assert not any("Traceback" in line for line in seen), "".join(seen)
         proc.terminate()

@@ -14,7 +14,12 @@ import transformers as hf
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
-from tests.worker.tiny_checkpoints import add_byte_vocabulary, llama_cpp_permute, write_hf_dir
+from tests.worker.tiny_checkpoints import (
+    add_byte_vocabulary,
+    add_shape,
+    llama_cpp_permute,
+    write_hf_dir,
+)
 
 COMMON: dict[str, Any] = dict(
     vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -118,12 +123,7 @@ def write_family_gguf(name: str, model: PreTrainedModel, hf_dir: Path, path: Pat
         tensors.update(load_file(shard))
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    add_shape(w, cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     rope = cfg.rope_parameters

@@ -25,7 +25,7 @@ from tests.worker.quantized_checkpoints import load_exact_model as load_model
 from tests.worker.tiny_checkpoints import tiny_hf_model, write_hf_dir
 from worker.models.config import ModelConfig
 from worker.models.decoder import DecoderModel
-from worker.models.loaders.hf_weights import hf_llama_config
+from worker.models.loaders.hf_weights import hf_model_config
 from worker.models.loaders.quantized.quantized_safetensors import QuantizedSafetensors
 from worker.quantization.checkpoint_writer import write_checkpoint
 
@@ -207,7 +207,7 @@ def test_a_config_of_our_own_shape_reads_back_in_tidegate_and_transformers(
     source = tensors(float_dir)
     tokenizer = SavedTokenizer()
     written = write_checkpoint(tmp_path, ours, source, rtn(source, 8, None, True), tokenizer)
-    assert hf_llama_config(tmp_path) == ours
+    assert hf_model_config(tmp_path)[1] == ours
     assert tokenizer.saved_to == [tmp_path]
     assert written == sum(f.stat().st_size for f in tmp_path.iterdir())
     theirs = AutoConfig.from_pretrained(tmp_path)

@@ -23,15 +23,10 @@ def hf_model_config(model_dir: Path) -> tuple[Family, ModelConfig]:
     family = family_of(cfg, where)
     try:
         return family, family.config(cfg, where)
+    except ModelLoadError:
+        raise
     except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, ModelLoadError):
-            raise
         raise ModelLoadError(f"{where}: {exc}") from exc
-
-
-def hf_llama_config(model_dir: Path) -> ModelConfig:
-    """``ModelConfig`` of config.json (any family; the name predates the others)."""
-    return hf_model_config(model_dir)[1]
 
 
 class SafetensorsWeights(Mapping[str, torch.Tensor]):
