@@ -59,7 +59,7 @@ class Waits:
 def timed_reads(engine: Engine, waits: Waits) -> None:
     """Make every launched step's read count its wait in ``waits`` (the engine is unchanged
     otherwise: the launch object is the runner's own, its ``read`` wrapped)."""
-    launch = engine.runner.launch
+    launch = engine.runner.sample  # what every step's SamplerLaunch comes from
 
     def launch_timed(*args: object, **kwargs: object) -> SamplerLaunch:
         launched = launch(*args, **kwargs)  # type: ignore[arg-type]
@@ -74,7 +74,7 @@ def timed_reads(engine: Engine, waits: Waits) -> None:
 
         return dataclasses.replace(launched, read=read_timed)
 
-    engine.runner.launch = launch_timed  # type: ignore[method-assign]
+    engine.runner.sample = launch_timed  # type: ignore[method-assign]
 
 
 @dataclasses.dataclass(slots=True)
@@ -93,8 +93,9 @@ def timed_phases(engine: Engine, steps: list[Phases]) -> Callable[[], None]:
     """Time each part of every step into ``steps`` (one entry per ``engine.step()``); returns
     what restores the engine. The wrappers cost ~0.3 us a call (2 per output token)."""
     sched, runner = engine.scheduler, engine.runner
-    originals = (sched.schedule, sched.commit, runner.launch, engine._emit, engine.step)
-    schedule, commit, launch, emit, step = originals
+    originals = (sched.schedule, sched.commit, runner.forward, runner.sample, engine._emit,
+                 engine.step)
+    schedule, commit, forward, launch, emit, step = originals
     now = time.perf_counter
 
     def wrap_schedule() -> SchedulerOutput:
@@ -108,6 +109,12 @@ def timed_phases(engine: Engine, steps: list[Phases]) -> Callable[[], None]:
         start = now()
         commit(out)
         steps[-1].schedule += now() - start
+
+    def wrap_forward(*args: object, **kwargs: object) -> object:
+        start = now()
+        out = forward(*args, **kwargs)  # type: ignore[arg-type]
+        steps[-1].launch += now() - start
+        return out
 
     def wrap_launch(*args: object, **kwargs: object) -> SamplerLaunch:
         start = now()
@@ -137,11 +144,12 @@ def timed_phases(engine: Engine, steps: list[Phases]) -> Callable[[], None]:
         return out  # type: ignore[return-value]
 
     sched.schedule, sched.commit = wrap_schedule, wrap_commit  # type: ignore[method-assign]
-    runner.launch = wrap_launch  # type: ignore[method-assign]
+    runner.forward, runner.sample = wrap_forward, wrap_launch  # type: ignore[method-assign]
     engine._emit, engine.step = wrap_emit, wrap_step  # type: ignore[method-assign, assignment]
 
     def restore() -> None:
-        sched.schedule, sched.commit, runner.launch, engine._emit, engine.step = originals  # type: ignore[method-assign, assignment]
+        (sched.schedule, sched.commit, runner.forward, runner.sample, engine._emit,  # type: ignore[method-assign]
+         engine.step) = originals  # type: ignore[assignment]
 
     return restore
 

@@ -11,6 +11,10 @@ follows each one over WebSocket or SSE as a real client would. Runs, in order:
 
 Every followed job is checked for exactness (event ids 1, 2, 3... with no gap or duplicate, one
 final event and it is last, token texts == stored text, tokens == usage == the output length).
+With ``--response-format FILE`` every job (the warm-up's too) carries a response_format, the
+file's formats taken in turn; such a job may also end before its length where its grammar is
+complete, and its stored text is checked against its JSON schema
+(``benchmarks.serving.json_check``).
 Prints one row per run and writes everything to ``--out`` (and ``--plot`` with matplotlib).
 
     # this CPU machine
@@ -24,12 +28,15 @@ Prints one row per run and writes everything to ``--out`` (and ``--plot`` with m
         --rates 20 30 40 50 60 70 --num-prompts 1000 --client-procs 4
     # a smoke test; the generator's ceiling alone
     python benchmarks/serve.py --quick --model random:tiny
+    # every job JSON-schema constrained (a schema, a response_format, or a list of either)
+    python benchmarks/serve.py --quick --model smollm2 --response-format schema.json
     python benchmarks/serve.py --capacity-check
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import random
@@ -45,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's tidegate, not an installed one
 
 from benchmarks.serving import capacity, report  # noqa: E402
+from benchmarks.serving.json_check import check_outputs, formats_from_file  # noqa: E402
 from benchmarks.serving.loadgen import (  # noqa: E402
     ClientPlan,
     Endpoints,
@@ -134,6 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    f"{NO_DEADLINE_S:.0f}: nothing shed)")
     g.add_argument("--slo-ttft-ms", type=float)
     g.add_argument("--slo-tpot-ms", type=float)
+    g.add_argument("--response-format", metavar="FILE",
+                   help="JSON: a response_format object, a JSON schema, or a list of either "
+                        "(or of {name, schema}); every job carries one, in turn")
     g = ap.add_argument_group("load generator")
     g.add_argument("--follow", choices=("ws", "sse", "mixed"), default="ws")
     g.add_argument("--follow-fraction", type=float, default=1.0,
@@ -180,6 +191,13 @@ def _check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--client-procs, --workers and --submit-concurrency must be at least 1")
     if any("=" not in kv for kv in args.env):
         ap.error("--env takes KEY=VALUE")
+    if args.response_format:
+        try:
+            args.formats = formats_from_file(Path(args.response_format))
+        except (OSError, ValueError) as exc:
+            ap.error(f"--response-format: {exc}")
+    else:
+        args.formats = []
 
 
 def resolve(args: argparse.Namespace) -> Bench:
@@ -227,7 +245,11 @@ def plan_work(bench: Bench) -> list[Run]:
                  else (None, None))
         shape = {"input_len": a.input_len, "output_len": a.output_len, "input_span": spans[0],
                  "output_span": spans[1], **lengths}
-        return build_work(encode, offsets, seed=seed, **shape)  # type: ignore[arg-type]
+        built = build_work(encode, offsets, seed=seed, **shape)  # type: ignore[arg-type]
+        if not a.formats:
+            return built
+        return dataclasses.replace(built, formats=tuple(a.formats[i % len(a.formats)]
+                                                        for i in range(len(built))))
 
     runs = [Run(WARM_UP, None, work([0.0] * WARM_UP_JOBS, a.seed * 1000 + 999,
                                          input_len=16, output_len=4, input_span=None,
@@ -247,7 +269,8 @@ def run_work(bench: Bench, stack: Stack, endpoints: Endpoints, run: Run
     a, work = bench.args, run.work
     jobs = [JobSpec(i, work.body(i, timeout_s=bench.timeout_s), work.prompts[i].tokens,
                     work.output_lens[i], work.offsets_s[i],
-                    WARM_UP_MODES[i % 2] if run.name == WARM_UP else bench.follow_mode(i))
+                    WARM_UP_MODES[i % 2] if run.name == WARM_UP else bench.follow_mode(i),
+                    constrained=work.format(i) is not None)
             for i in range(len(work))]
     # A job may queue behind the whole run: allow its deadline plus the run's arrivals.
     job_timeout_s = bench.timeout_s + max(work.offsets_s) + 60
@@ -261,7 +284,24 @@ def run_work(bench: Bench, stack: Stack, endpoints: Endpoints, run: Run
     summary.worker_time = {name: {k: round(v - before.get(name, {}).get(k, 0.0), 3)
                                   for k, v in counters.items()}
                            for name, counters in after.items()}
+    if work.formats:
+        check_json(summary, load, work)
     return summary, load
+
+
+def check_json(summary: RunSummary, load: LoadResult, work: Work) -> None:
+    """Each finished constrained job's stored text against its schema: an invalid one makes
+    the run inexact, as a broken stream does."""
+    done = sorted((r for r in load.records if (r.result or {}).get("status") == "done"),
+                  key=lambda r: r.index)
+    check = check_outputs(((f"job {r.index} ({r.job_id})", r.result["text"],  # type: ignore[index]
+                            r.result.get("finish_reason"))  # type: ignore[union-attr]
+                           for r in done), [work.format(r.index) for r in done])
+    summary.json_outputs = {**dataclasses.asdict(check), "line": check.line()}
+    if check.invalid:
+        summary.exact = False
+        summary.exact_failures += check.invalid
+        summary.failure_examples += check.examples
 
 
 def warm_up(bench: Bench, stack: Stack, endpoints: Endpoints, run: Run) -> RunSummary:
@@ -295,8 +335,10 @@ def attach_engine_alone(summary: RunSummary, alone: dict, load: LoadResult) -> N
 def run(bench: Bench, logdir: Path) -> dict:
     a = bench.args
     warm, *runs = plan_work(bench)
+    # The config without --response-format's parsed formats: the option names their file.
     out: dict = {"command": " ".join(sys.argv), "machine": machine(), "logdir": str(logdir),
-                 "config": dict(vars(a)), "sections": bench.sections,
+                 "config": {k: v for k, v in vars(a).items() if k != "formats"},
+                 "sections": bench.sections,
                  "prompts": {r.name: prompt_stats(r.work) for r in runs},
                  "capacity": {}, "runs": []}
     works = {} if a.no_engine_alone else {

@@ -34,8 +34,9 @@ from kernels.paged_attention import (
 from kernels.paged_attention import paged_attention as paged_attention_cpu
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import rotary_ref
+from kernels.token_bitmask import apply_token_bitmask_ref
 
-__all__ = ["decoder_layer", "embedding", "fuses_projections", "gelu_and_mul", "linear", "moe",
+__all__ = ["apply_token_bitmask", "decoder_layer", "embedding", "fuses_projections", "gelu_and_mul", "linear", "moe",
            "norm_linear", "norm_project", "paged_attention", "paged_decode", "rms_norm",
            "rotary", "rotary_store_kv", "silu_and_mul", "silu_project", "store_kv"]
 
@@ -230,6 +231,18 @@ def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return gelu_and_mul_triton(x)
     return gelu_and_mul_ref(x)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Grammar masks (``kernels.token_bitmask``): -inf, in place, over the logits of tokens
+    each constrained row's packed mask disallows. logits [N, V] float32, bitmask [C, W] int32,
+    rows [C] int64."""
+    if use_triton(logits):
+        from kernels.token_bitmask_triton import apply_token_bitmask_triton
+
+        apply_token_bitmask_triton(logits, bitmask, rows)
+        return
+    apply_token_bitmask_ref(logits, bitmask, rows)
 
 
 def moe(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -45,13 +45,26 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 class SubmitOptions(TypedDict, total=False):
     """Everything ``submit`` takes besides the prompt; omitted fields get server defaults."""
 
-    messages: Sequence[ChatMessage | Mapping[str, str]]
+    messages: Sequence[ChatMessage | Mapping[str, Any]]
     max_tokens: int
     temperature: float
     top_p: float
     top_k: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
     seed: int
     stop: str | list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    logprobs: int  # the chosen token's logprob and this many alternatives per token
+    logit_bias: Mapping[int, float]  # token id -> added to its logit
+    # {"type": "json_object" | "json_schema" | "regex" | "choice" | "grammar", ...}
+    response_format: Mapping[str, Any]
+    tools: Sequence[Mapping[str, Any]]  # OpenAI's tool objects; the calls come back in
+    tool_choice: str | Mapping[str, Any]  # the result's ``tool_calls``
+    parallel_tool_calls: bool
     timeout_s: float  # the job's deadline, relative to now
     deadline_ms: int  # or an absolute one, unix ms
     lane: Lane

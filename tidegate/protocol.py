@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -24,9 +24,11 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from tidegate import untrusted_json
+from tidegate.structured.grammar import GrammarError, check_format
+from tidegate.structured.response_format import ResponseFormat
 
 Lane = Literal["interactive", "batch"]
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "cancelled", "deadline", "error"]
 
 # A request may ask for at most this many new tokens; the model's context is checked separately.
@@ -35,6 +37,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_PROMPT_CHARS = 1_000_000
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_CHOICES = 16
 
 
 def now_ms() -> int:
@@ -69,9 +73,85 @@ def _field_error(field: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_combination", message, {"field": field})
 
 
+def _arguments_object(arguments: str) -> Any:
+    """A call's arguments string as the object templates expect; the string itself when it
+    is not a JSON object (a template then writes what the model wrote)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(max_length=MAX_PROMPT_CHARS,
+                           description="the arguments as a JSON object, in a string (OpenAI)")
+
+
+class ToolCall(_Strict):
+    """A call the assistant made: in an assistant message, in a result, in a stream."""
+
+    id: str = Field(min_length=1, max_length=64)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(default=None, max_length=10_000)
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}},
+        description="a JSON schema of the arguments object")
+    strict: bool | None = None  # accepted: a forced call's arguments always follow the schema
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class NamedToolChoice(_Strict):
+    class _Name(_Strict):
+        name: str
+
+    type: Literal["function"] = "function"
+    function: _Name
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
+MAX_TOOLS = 128
+
+
 class ChatMessage(_Strict):
     role: Role
-    content: Text = Field(max_length=MAX_PROMPT_CHARS)
+    content: Text = Field(default="", max_length=MAX_PROMPT_CHARS)
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, max_length=MAX_TOOLS, description="an assistant turn's calls")
+    tool_call_id: str | None = Field(default=None, max_length=64,
+                                     description="a tool message: the call it answers")
+    name: str | None = Field(default=None, max_length=64)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _null_content(cls, v: object) -> object:
+        return "" if v is None else v  # an assistant turn that only calls tools
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (Hugging Face's convention): a call's
+        arguments as an object, absent fields left out."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": _arguments_object(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class SamplingParams(_Strict):
@@ -117,6 +197,24 @@ class SamplingParams(_Strict):
     ignore_eos: bool = Field(
         default=False, description="keep going past end-of-sequence tokens (for benchmarks)"
     )
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES,
+                   description="choices to generate for the prompt (they share its KV blocks); "
+                   "with a seed, choice k draws from seed + k")
+    logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None = (
+        Field(default=None, max_length=MAX_LOGIT_BIAS,
+              description="token id -> added to its logit before sampling (-100 bans it, "
+              "100 all but forces it)"))
+    response_format: ResponseFormat | None = Field(
+        default=None, description="constrain the output: json_object, json_schema, regex, "
+        "choice or grammar (text: free)")
+
+    @model_validator(mode="after")
+    def _format_compiles(self) -> SamplingParams:
+        try:
+            check_format(self.response_format)
+        except GrammarError as exc:
+            raise _field_error(f"response_format.{exc.path}", exc.reason) from None
+        return self
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -144,6 +242,15 @@ class SamplingParams(_Strict):
 class _PromptFields(_Strict):
     prompt: Text | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(default=None, max_length=1024)
+    tools: list[Tool] | None = Field(
+        default=None, max_length=MAX_TOOLS,
+        description="functions the model may call (rendered by its chat template)")
+    tool_choice: ToolChoice = Field(
+        default="auto", description="auto: the model decides; none: no call; required: at "
+        "least one call; {type: function, function: {name}}: that call (the last two are "
+        "enforced by a grammar)")
+    parallel_tool_calls: bool = Field(
+        default=True, description="tool_choice required: allow several calls in one reply")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> _PromptFields:
@@ -153,6 +260,24 @@ class _PromptFields(_Strict):
             raise _field_error("prompt", "'prompt' must not be empty")
         if self.messages is not None and not self.messages:
             raise _field_error("messages", "'messages' must not be empty")
+        if self.tools is not None and self.messages is None:
+            raise _field_error("tools", "tools need 'messages' (a chat), not a plain 'prompt'")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or []}
+            if self.tool_choice.function.name not in names:
+                raise _field_error("tool_choice.function.name",
+                                   f"no tool named {self.tool_choice.function.name!r}")
+        elif self.tool_choice == "required" and not self.tools:
+            raise _field_error("tool_choice", "'required' needs at least one tool")
+        return self
+
+    def forced_tools(self) -> bool:
+        """Whether the output must be tool calls (``required`` or a named tool)."""
+        return bool(self.tools) and self.tool_choice not in ("auto", "none")
+
+    def rendered_tools(self) -> list[Tool] | None:
+        """The tools the chat template shows the model (none under ``tool_choice: none``)."""
+        return self.tools if self.tools and self.tool_choice != "none" else None
         return self
 
 
@@ -176,6 +301,10 @@ class JobRequest(_PromptFields, SamplingParams):
     def _one_deadline(self) -> JobRequest:
         if self.deadline_ms is not None and self.timeout_s is not None:
             raise _field_error("deadline_ms", "give at most one of 'deadline_ms' or 'timeout_s'")
+        fmt = self.response_format
+        if self.forced_tools() and fmt is not None and fmt.type != "text":
+            raise _field_error("tool_choice", "a forced tool call and a response_format cannot "
+                               "both shape the output")
         return self
 
     def sampling(self) -> SamplingParams:
@@ -191,6 +320,9 @@ class JobRequest(_PromptFields, SamplingParams):
             id=job_id or new_job_id(),
             prompt=self.prompt,
             messages=self.messages,
+            tools=self.tools,
+            tool_choice=self.tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls,
             sampling=self.sampling(),
             deadline_ms=deadline,
             lane=self.lane,
@@ -240,6 +372,8 @@ class TokenEvent(_Event):
 
     type: Literal["token"] = "token"
     index: int = Field(ge=0, description="position of its first token among generated tokens")
+    choice: int | None = Field(default=None, ge=1,
+                               description="jobs with n > 1: the choice (absent: the first)")
     text: str = Field(description="text these tokens complete; may be empty mid-character")
     token_ids: list[int] = Field(min_length=1)
     logprob: float | None = Field(
@@ -263,10 +397,26 @@ class Timings(_Strict):
     decode_tokens_per_s: float
 
 
+class Choice(_Strict):
+    """One choice of a job with n > 1."""
+
+    index: int = Field(ge=0)
+    text: str
+    finish_reason: FinishReason
+    completion_tokens: int = Field(ge=0)
+    tool_calls: list[ToolCall] | None = None
+
+
 class DoneEvent(_Event):
+    """The job's end. With n > 1, ``text`` and ``finish_reason`` are the first choice's and
+    ``choices`` holds every one; ``usage`` counts the tokens of all."""
+
     type: Literal["done"] = "done"
     finish_reason: FinishReason
     text: str
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, description="the calls read from the text (jobs with tools)")
+    choices: list[Choice] | None = None
     usage: Usage
     timings: Timings
 
@@ -346,6 +496,8 @@ class JobResult(_Strict):
     created_ms: int | None = None
     deadline_ms: int | None = None
     text: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    choices: list[Choice] | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timings: Timings | None = None

@@ -8,8 +8,9 @@ the two must never overlap):
 
 The model and the engine come from the worker's own ``build_engine``, warmed up by its own
 ``calibrate``, loaded once for every run of the spec. A burst adds every prompt's token ids at
-once, with the submit's sampling (greedy, ``ignore_eos``, ``max_tokens`` = output length), and
-steps until all finish: output tok/s = generated tokens / wall time from the first add. A
+once, with the submit's sampling (greedy, ``ignore_eos``, ``max_tokens`` = output length, the
+job's ``response_format``), and steps until all finish: output tok/s = generated tokens / wall
+time from the first add. A
 Poisson run adds each request at its arrival offset (the schedule the stack's load generator
 submits on) and steps while anything runs: the same latencies as the stack's, measured from
 each arrival, and the tokens/s it keeps up with while its pipeline is full.
@@ -20,8 +21,10 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,14 +38,21 @@ from worker.shedding.calibration import calibrate
 from worker.shedding.load_shedder import LoadShedder, ShedderConfig
 
 
+def params_of(n: int, formats: list[dict[str, Any] | None] | None, i: int) -> SamplingParams:
+    """A job's sampling as the load generator submits it."""
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                          response_format=formats[i] if formats else None)
+
+
 def run(engine: Engine, prompts: list[list[int]], output_lens: list[int],
-        timeout_s: float, *, cuda: bool) -> dict[str, object]:
+        timeout_s: float, *, cuda: bool,
+        formats: list[dict[str, Any] | None] | None = None) -> dict[str, object]:
     """All requests added at once, stepped to the end: throughput and per-request latencies."""
     deadline = now_ms() + int(1000 * timeout_s)  # as the stack's jobs carry theirs
+    params = [params_of(n, formats, i) for i, n in enumerate(output_lens)]  # formats compile
     t0 = time.perf_counter()
-    for i, (ids, n) in enumerate(zip(prompts, output_lens, strict=True)):
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        engine.add_request(EngineRequest(f"bench-{i}", ids, params, deadline_ms=deadline))
+    for i, ids in enumerate(prompts):
+        engine.add_request(EngineRequest(f"bench-{i}", ids, params[i], deadline_ms=deadline))
     first: dict[str, float] = {}
     finished: dict[str, tuple[float, int, str, str | None]] = {}
     while engine.has_unfinished():
@@ -61,6 +71,7 @@ def run(engine: Engine, prompts: list[list[int]], output_lens: list[int],
     tokens = sum(finished[r][1] for r in ids)
     complete = sum(finished[r][1] == n and finished[r][3] == "length"
                    for r, n in zip(ids, output_lens, strict=True))
+    grammar = engine.grammars.stats
     tpot = [(finished[r][0] - first[r]) / (finished[r][1] - 1) for r in ids
             if r in first and finished[r][1] > 1]
     return {
@@ -69,12 +80,16 @@ def run(engine: Engine, prompts: list[list[int]], output_lens: list[int],
         "output_tok_s": round(tokens / wall, 1),
         "ttft_ms": asdict(Dist.of([1000 * (first[r] - t0) for r in ids if r in first])),
         "tpot_ms": asdict(Dist.of([1000 * x for x in tpot])),
+        "finish_reasons": dict(Counter(finished[r][3] for r in ids)),
+        "grammar_masks": {"fills": grammar.fills, "rows": grammar.rows,
+                          "seconds": round(grammar.seconds, 4)},
         "texts": [finished[r][2] for r in ids],
     }
 
 
 def run_arrivals(engine: Engine, prompts: list[list[int]], output_lens: list[int],
-                 offsets_s: list[float], timeout_s: float, *, cuda: bool) -> dict[str, object]:
+                 offsets_s: list[float], timeout_s: float, *, cuda: bool,
+                 formats: list[dict[str, Any] | None] | None = None) -> dict[str, object]:
     """Each request added at its arrival offset; steps while any runs."""
     order = sorted(range(len(prompts)), key=offsets_s.__getitem__)
     arrival: dict[str, float] = {}
@@ -88,7 +103,7 @@ def run_arrivals(engine: Engine, prompts: list[list[int]], output_lens: list[int
         while nxt < len(order) and t0 + offsets_s[order[nxt]] <= now:
             i = order[nxt]
             rid = f"bench-{i}"
-            params = SamplingParams(max_tokens=output_lens[i], temperature=0.0, ignore_eos=True)
+            params = params_of(output_lens[i], formats, i)
             engine.add_request(EngineRequest(rid, prompts[i], params,
                                              deadline_ms=now_ms() + int(1000 * timeout_s)))
             arrival[rid] = t0 + offsets_s[i]
@@ -138,16 +153,21 @@ def main(spec_path: str, out_path: str) -> None:
     t0 = time.perf_counter()
     calibrate(engine, LoadShedder(ShedderConfig(enabled=settings.load_shedding,
                                                 safety=settings.shedding_safety)))
+    formats = [f for work in spec["runs"].values() for f in work.get("formats") or () if f]
+    if formats:
+        warm_grammars(engine, formats)
     warm_s = time.perf_counter() - t0
     cuda = settings.device.startswith("cuda")
     results = {}
     for name, work in spec["runs"].items():
+        engine.grammars.stats = type(engine.grammars.stats)()  # each run's masks alone
         if work.get("offsets_s") is None:
             result = run(engine, work["prompts"], work["output_lens"], spec["timeout_s"],
-                         cuda=cuda)
+                         cuda=cuda, formats=work.get("formats"))
         else:
             result = run_arrivals(engine, work["prompts"], work["output_lens"],
-                                  work["offsets_s"], spec["timeout_s"], cuda=cuda)
+                                  work["offsets_s"], spec["timeout_s"], cuda=cuda,
+                                  formats=work.get("formats"))
         print(f"engine alone, {name}: {result['output_tok_s']} output tok/s "
               f"({result['output_tokens']} tokens in {result['wall_s']} s)", flush=True)
         results[name] = result | {"load_s": round(load_s, 2), "warmup_s": round(warm_s, 2),
@@ -155,6 +175,21 @@ def main(spec_path: str, out_path: str) -> None:
                                   "kv_cache": engine.kv_spec.describe(),
                                   "engine_config": dict(asdict(engine.config).items())}
     Path(out_path).write_text(json.dumps(results))
+
+
+def warm_grammars(engine: Engine, formats: list[dict[str, Any]]) -> None:
+    """A few short constrained requests before anything is measured, as the stack's warm-up
+    jobs do for its worker: the grammar engine's token tables, each format's grammar (a few
+    at most) and the mask kernel are built here, not in the first measured step."""
+    distinct = list({json.dumps(f, sort_keys=True): f for f in formats}.values())[:8]
+    vocab = engine.tokenizer.vocab_size
+    for i, fmt in enumerate(distinct):
+        params = SamplingParams(max_tokens=4, ignore_eos=True, response_format=fmt)
+        engine.add_request(EngineRequest(f"warm-grammar-{i}",
+                                         [(31 * i + j) % (vocab - 1) + 1 for j in range(16)],
+                                         params))
+    while engine.has_unfinished():
+        engine.step()
 
 
 if __name__ == "__main__":

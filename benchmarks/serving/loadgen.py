@@ -55,6 +55,7 @@ class JobSpec:
     follow: str  # "ws" | "sse" | "poll" (result read at the end) | "none" (submit only)
     job_id: str | None = None  # a pre-written job: follow it without submitting
     stream_token: str | None = None
+    constrained: bool = False  # it has a response_format: its grammar may end it early
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,7 @@ class JobRecord:
     stream_token: str | None = None
     trace: Trace | None = None  # followed jobs
     result: dict | None = None  # GET /v1/jobs/{id}, read after the run
+    constrained: bool = False  # as its JobSpec
 
 
 @dataclass(slots=True)
@@ -116,7 +118,8 @@ class Generator:
         return records
 
     async def job(self, spec: JobSpec, at: float) -> JobRecord:
-        rec = JobRecord(spec.index, spec.follow, spec.input_len, spec.output_len, at)
+        rec = JobRecord(spec.index, spec.follow, spec.input_len, spec.output_len, at,
+                        constrained=spec.constrained)
         try:
             async with asyncio.timeout(self.plan.job_timeout_s):
                 if spec.job_id is None:

@@ -62,7 +62,7 @@ class RunSummary:
     arrival_rate: float | None  # what this sample of arrivals came to: (jobs - 1) / last arrival
     jobs: int
     followed: dict[str, int]  # jobs per follow mode
-    completed: int  # done with exactly their output length
+    completed: int  # done with exactly their output length (constrained: or grammar complete)
     failed: int  # accepted but not completed (error, cut at the deadline, lost)
     rejected: int  # refused at submit, or ended ``rejected`` by a worker
     duration_s: float
@@ -106,6 +106,9 @@ class RunSummary:
     # thread's CPU in them, the event loop thread's CPU, the publisher's share of it, writes,
     # events, tokens (worker/service/metrics.py).
     worker_time: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Runs with --response-format: the outputs checked against their schemas
+    # (benchmarks.serving.json_check.JsonCheck).
+    json_outputs: dict[str, object] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -132,8 +135,11 @@ def prompt_tokens_of(rec: JobRecord) -> int:
 
 def is_complete(rec: JobRecord) -> bool:
     result = rec.result or {}
-    return (final_status(rec) == "done" and result.get("finish_reason") == "length"
-            and tokens_of(rec) == rec.output_len)
+    if final_status(rec) != "done":
+        return False
+    if rec.constrained and result.get("finish_reason") == "stop":
+        return 0 < tokens_of(rec) <= rec.output_len  # its grammar completed the document
+    return result.get("finish_reason") == "length" and tokens_of(rec) == rec.output_len
 
 
 def e2e_s(rec: JobRecord) -> float | None:
@@ -207,13 +213,18 @@ def _stream_problem(rec: JobRecord, result: dict) -> str | None:
 def _length_problem(rec: JobRecord, result: dict) -> str | None:
     if result.get("status") != "done":
         return f"status {result.get('status')} ({(result.get('error') or {}).get('code', '')})"
-    if result.get("finish_reason") != "length":
-        return f"finish_reason {result.get('finish_reason')}"
     usage = result.get("usage") or {}
-    if (n := usage.get("completion_tokens")) != rec.output_len:
+    n = usage.get("completion_tokens")
+    if rec.constrained and result.get("finish_reason") == "stop":
+        # Its grammar completed the document before max_tokens (json_check checks the text).
+        if not isinstance(n, int) or not 0 < n <= rec.output_len:
+            return f"usage.completion_tokens {n} outside 1..{rec.output_len}"
+    elif result.get("finish_reason") != "length":
+        return f"finish_reason {result.get('finish_reason')}"
+    elif n != rec.output_len:
         return f"usage.completion_tokens {n} != output length {rec.output_len}"
-    if rec.trace is not None and rec.trace.tokens != rec.output_len:
-        return f"{rec.trace.tokens} tokens received != output length {rec.output_len}"
+    if rec.trace is not None and rec.trace.tokens != n:
+        return f"{rec.trace.tokens} tokens received != usage.completion_tokens {n}"
     if (p := usage.get("prompt_tokens")) != rec.input_len:
         return f"usage.prompt_tokens {p} != prompt length {rec.input_len}"
     return None

@@ -81,6 +81,8 @@ def run_details(s: RunSummary) -> str:
     if s.slo_goodput_jobs_s is not None:
         lines.append(f"  SLO goodput {s.slo_goodput_jobs_s:.2f} jobs/s")
     lines += [worker_time_line(name, t, s.duration_s) for name, t in s.worker_time.items()]
+    if s.json_outputs:
+        lines.append(f"  {s.json_outputs['line']}")
     lines += [f"  not exact: {e}" for e in s.failure_examples]
     lines += [f"  note: {n}" for n in s.notes]
     return "\n".join(lines)

@@ -284,7 +284,8 @@ def run_engine_alone(cfg: StackConfig, works: dict[str, tuple[Work, bool]], time
     spec.write_text(json.dumps({"timeout_s": timeout_s, "runs": {
         name: {"prompts": [list(p.token_ids) for p in work.prompts],
                "output_lens": work.output_lens,
-               "offsets_s": work.offsets_s if on_schedule else None}
+               "offsets_s": work.offsets_s if on_schedule else None,
+               "formats": list(work.formats) or None}
         for name, (work, on_schedule) in works.items()}}))
     env = worker_env(cfg, 0, "redis://127.0.0.1:1/0", 0)  # it never touches Redis
     proc = spawn([sys.executable, "-m", "benchmarks.serving.engine_alone", str(spec), str(out)],

@@ -4,7 +4,8 @@ Every prompt is a random word sequence (distinct per job, so the prefix cache ha
 skip) measured with the served model's own tokenizer until it is exactly the asked number of
 tokens as the worker will count them (``encode_prompt``: BOS included where the model adds one).
 Jobs are greedy, ``ignore_eos`` and ``max_tokens`` = their output length, so each must produce
-exactly that many tokens.
+exactly that many tokens; a job given a ``response_format`` may also end sooner, where its
+grammar is complete.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 WORDS = (
     "time year people way day man thing woman life child world school state family student "
@@ -53,15 +55,22 @@ class Work:
     prompts: list[Prompt]
     output_lens: list[int]
     offsets_s: list[float]
+    # Each job's response_format (None: free text); empty: every job free.
+    formats: tuple[dict[str, Any] | None, ...] = ()
 
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def format(self, i: int) -> dict[str, Any] | None:
+        return self.formats[i] if self.formats else None
+
     def body(self, i: int, *, timeout_s: float) -> bytes:
         """The ``POST /v1/jobs`` body of job ``i``."""
-        return json.dumps({"prompt": self.prompts[i].text, "max_tokens": self.output_lens[i],
-                           "temperature": 0, "ignore_eos": True,
-                           "timeout_s": timeout_s}).encode()
+        body = {"prompt": self.prompts[i].text, "max_tokens": self.output_lens[i],
+                "temperature": 0, "ignore_eos": True, "timeout_s": timeout_s}
+        if (fmt := self.format(i)) is not None:
+            body["response_format"] = fmt
+        return json.dumps(body).encode()
 
 
 def exact_prompt(encode: Callable[[str], list[int]], n: int, rng: random.Random) -> Prompt:

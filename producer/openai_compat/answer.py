@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -26,11 +27,19 @@ from redis.exceptions import RedisError
 from starlette.types import Receive, Scope, Send
 
 from producer.openai_compat.errors import OpenAIError, from_error_event, from_rejected
-from producer.openai_compat.format import FINISH_REASONS, Shape, TokenLogprob, TokenSpeller
+from producer.openai_compat.format import (
+    FINISH_REASONS,
+    ChatShape,
+    ChoiceAnswer,
+    Shape,
+    TokenLogprob,
+    TokenSpeller,
+)
 from tidegate.cancelling import cancel_and_wait
 from tidegate.events.event_feed import FeedEvent
 from tidegate.events.event_hub import EventHub, Lagging
 from tidegate.jobstore import request_cancel
+from tidegate.structured.tool_calls import ToolFormat
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +59,7 @@ class Answer:
         self._gone = False  # the client left (found by a failed send)
         self._send: Send | None = None
         self._started = False  # the status line went out
-        self._sent = ""  # text streamed so far
-        self._replay: str | None = None  # after a restart: the new run's text, until it passes _sent
-        self._run_chars = 0  # characters of text the current run has produced
-        self._pending: list[TokenLogprob] = []  # logprobs of tokens not yet in a chunk
+        self._choices = [_ChoiceStream() for _ in range(shape.n)]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._send = send
@@ -94,20 +100,22 @@ class Answer:
     # ------------------------------------------------------------------ JSON
 
     async def _collect(self, feed: AsyncIterator[FeedEvent]) -> None:
-        logprobs: list[TokenLogprob] = []
-        chars = 0
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(self.shape.n)]
+        chars = [0] * self.shape.n
         async for event in feed:
             data = event.data()
             if event.type == "token":
+                k = data.get("choice") or 0
                 if self.shape.logprobs:
-                    logprobs.append(self.speller.logprob(data, chars))
-                chars += len(data["text"])
-            elif event.type == "restarted":
-                logprobs, chars = [], 0  # the final text is the new run's
+                    logprobs[k].append(self.speller.logprob(data, chars[k]))
+                chars[k] += len(data["text"])
+            elif event.type == "restarted":  # the final text is the new run's
+                logprobs, chars = [[] for _ in range(self.shape.n)], [0] * self.shape.n
             elif event.type == "done":
-                reason = _finish_reason(data)
-                body = self.shape.body(data["text"], logprobs, reason, data["usage"])
-                return await self._json(200, body)
+                answers = [ChoiceAnswer(c["index"], c["text"], logprobs[c["index"]],
+                                        _finish_reason(c), c.get("tool_calls"))
+                           for c in _choices(data)]
+                return await self._json(200, self.shape.body(answers, data["usage"]))
             else:
                 self._raise_if_failed(event.type, data)
 
@@ -130,48 +138,50 @@ class Answer:
 
     async def _start_stream(self) -> None:
         await self._start(200, _SSE_HEADERS)
-        first = self.shape.first_chunk()
-        if first is not None:
-            await self._event(first)
+        for k in range(self.shape.n):
+            first = self.shape.first_chunk(k)
+            if first is not None:
+                await self._event(first)
 
     async def _token(self, data: dict[str, Any]) -> None:
-        offset = self._run_chars
-        self._run_chars += len(data["text"])
-        replaying = self._replay is not None
-        fresh = self._fresh(data["text"])
+        k = data.get("choice") or 0
+        choice = self._choices[k]
+        offset = choice.run_chars
+        choice.run_chars += len(data["text"])
+        replaying = choice.replay is not None
+        fresh = choice.fresh(data["text"])
         if fresh is None:
             raise _diverged()
         if replaying and not fresh:
             return  # repeats text already sent, logprobs included
         if self.shape.logprobs:
-            self._pending.append(self.speller.logprob(data, offset))
+            choice.pending.append(self.speller.logprob(data, offset))
         if fresh:
-            self._sent += fresh
-            pending, self._pending = self._pending, []
-            await self._event(self.shape.text_chunk(fresh, pending))
-
-    def _fresh(self, text: str) -> str | None:
-        """The part of a token's text not yet sent; None once a restarted run departs from it."""
-        if self._replay is None:
-            return text
-        replay = self._replay + text
-        if not (self._sent.startswith(replay) or replay.startswith(self._sent)):
-            return None
-        if len(replay) <= len(self._sent):
-            self._replay = replay if len(replay) < len(self._sent) else None
-            return ""
-        self._replay = None
-        return replay[len(self._sent):]
+            choice.sent += fresh
+            text = choice.releasable(self.shape.tool_format)
+            if text:
+                pending, choice.pending = choice.pending, []
+                await self._event(self.shape.text_chunk(text, pending, k))
 
     def _restart(self) -> None:
-        self._pending, self._run_chars = [], 0
-        self._replay = "" if self._sent else None
+        for choice in self._choices:
+            choice.restart()
 
     async def _finish(self, data: dict[str, Any]) -> None:
-        reason = _finish_reason(data)
-        if self._replay is not None:
+        if any(choice.replay is not None for choice in self._choices):
             raise _diverged()  # the new run ended short of what was already sent
-        await self._event(self.shape.finish_chunk(reason, self._pending))
+        for done in _choices(data):
+            k, choice = done["index"], self._choices[done["index"]]
+            reason = _finish_reason(done)
+            calls = done.get("tool_calls")
+            if calls and isinstance(self.shape, ChatShape):
+                await self._event(self.shape.tool_calls_chunk(calls, choice.pending, k))
+                choice.pending, reason = [], "tool_calls"
+            elif choice.released < len(choice.sent):  # held text that was no call after all
+                held, choice.released = choice.sent[choice.released:], len(choice.sent)
+                await self._event(self.shape.text_chunk(held, choice.pending, k))
+                choice.pending = []
+            await self._event(self.shape.finish_chunk(reason, choice.pending, k))
         if self.shape.include_usage:
             await self._event(self.shape.usage_chunk(data["usage"]))
         await self._done()
@@ -217,6 +227,51 @@ class Answer:
     async def _cancel_job(self) -> None:
         with contextlib.suppress(RedisError):  # best effort: the job's deadline ends it anyway
             await request_cancel(self.redis, self.job_id)
+
+
+@dataclass(slots=True)
+class _ChoiceStream:
+    """What one choice has streamed: its text (sent, and held where a tool call may begin),
+    and after a restart the new run's text until it passes what was sent."""
+
+    sent: str = ""  # text received so far, held text included
+    released: int = 0  # characters of it sent to the client
+    replay: str | None = None
+    run_chars: int = 0  # characters of text the current run has produced
+    pending: list[TokenLogprob] = field(default_factory=list)  # logprobs not yet in a chunk
+
+    def fresh(self, text: str) -> str | None:
+        """The part of a token's text not yet sent; None once a restarted run departs from it."""
+        if self.replay is None:
+            return text
+        replay = self.replay + text
+        if not (self.sent.startswith(replay) or replay.startswith(self.sent)):
+            return None
+        if len(replay) <= len(self.sent):
+            self.replay = replay if len(replay) < len(self.sent) else None
+            return ""
+        self.replay = None
+        return replay[len(self.sent):]
+
+    def releasable(self, fmt: ToolFormat | None) -> str:
+        """Text received that can go out now: all of it, except, with tools offered, from
+        where a call may begin (held until the reply ends and its calls are read)."""
+        start = fmt.call_start(self.sent) if fmt is not None else None
+        limit = len(self.sent) if start is None else max(start, self.released)
+        text = self.sent[self.released:limit]
+        self.released = limit
+        return text
+
+    def restart(self) -> None:
+        self.pending, self.run_chars = [], 0
+        self.replay = "" if self.sent else None
+
+
+def _choices(done: dict[str, Any]) -> list[dict[str, Any]]:
+    """A ``done`` event's choices (one, from its own fields, for a job with n = 1)."""
+    return done.get("choices") or [{"index": 0, "text": done["text"],
+                                    "finish_reason": done["finish_reason"],
+                                    "tool_calls": done.get("tool_calls")}]
 
 
 def _finish_reason(done: dict[str, Any]) -> str:

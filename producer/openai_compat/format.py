@@ -14,6 +14,7 @@ from tokenizers import decoders
 
 from tidegate.model_files.byte_level_bpe import bytes_to_unicode
 from tidegate.model_files.tokenizer import Tokenizer
+from tidegate.structured.tool_calls import ToolFormat
 
 # tidegate's finish reason -> OpenAI's (stop | length | content_filter). A deadline cuts the
 # text short as max_tokens does, so it reads as "length"; a cancel is a stop the caller asked
@@ -81,6 +82,10 @@ class _Shape:
     created: int  # unix seconds
     logprobs: bool  # whether the request asked for logprobs
     include_usage: bool = False  # streams: every chunk has "usage" (null until the last)
+    # Chat with tools: how the model writes calls (a stream holds text that may be one).
+    tool_format: ToolFormat | None = None
+    echo: str = ""  # completions with echo: the prompt, before the completion's text
+    n: int = 1  # choices
     chunk_object: ClassVar[str] = ""
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -94,31 +99,62 @@ class _Shape:
         return {**self._chunk([]), "usage": usage}
 
 
+@dataclass(frozen=True, slots=True)
+class ChoiceAnswer:
+    """One choice's final answer: its text, logprobs, finish reason and tool calls."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob]
+    reason: str
+    tool_calls: list[dict[str, Any]] | None = None
+
+
 class ChatShape(_Shape):
     """``/v1/chat/completions``: ``chat.completion`` bodies, ``chat.completion.chunk`` deltas."""
 
     chunk_object = "chat.completion.chunk"
 
-    def first_chunk(self) -> dict[str, Any] | None:
-        return self._choice_chunk({"role": "assistant", "content": ""}, [], None)
+    def first_chunk(self, index: int = 0) -> dict[str, Any] | None:
+        return self._choice_chunk(index, {"role": "assistant", "content": ""}, [], None)
 
-    def text_chunk(self, text: str, logprobs: list[TokenLogprob]) -> dict[str, Any]:
-        return self._choice_chunk({"content": text}, logprobs, None)
+    def text_chunk(self, text: str, logprobs: list[TokenLogprob],
+                   index: int = 0) -> dict[str, Any]:
+        return self._choice_chunk(index, {"content": text}, logprobs, None)
 
-    def finish_chunk(self, reason: str, logprobs: list[TokenLogprob]) -> dict[str, Any]:
-        return self._choice_chunk({}, logprobs, reason)
+    def finish_chunk(self, reason: str, logprobs: list[TokenLogprob],
+                     index: int = 0) -> dict[str, Any]:
+        return self._choice_chunk(index, {}, logprobs, reason)
 
-    def body(self, text: str, logprobs: list[TokenLogprob], reason: str,
-             usage: dict[str, int]) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": self._logprobs(logprobs), "finish_reason": reason}
+    def tool_calls_chunk(self, calls: list[dict[str, Any]], logprobs: list[TokenLogprob],
+                         index: int = 0) -> dict[str, Any]:
+        """Every call whole in one delta (its id, name and arguments), as OpenAI's clients
+        accumulate them by ``index``."""
+        deltas = [{"index": i, "id": c["id"], "type": "function",
+                   "function": {"name": c["function"]["name"],
+                                "arguments": c["function"]["arguments"]}}
+                  for i, c in enumerate(calls)]
+        return self._choice_chunk(index, {"tool_calls": deltas}, logprobs, None)
+
+    def body(self, choices: list[ChoiceAnswer], usage: dict[str, int]) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": [choice], "usage": usage}
+                "model": self.model, "choices": [self._choice_body(c) for c in choices],
+                "usage": usage}
 
-    def _choice_chunk(self, delta: dict[str, Any], logprobs: list[TokenLogprob],
+    def _choice_body(self, c: ChoiceAnswer) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+        reason = c.reason
+        if c.tool_calls:
+            rest = self.tool_format.parse(c.text)[0].strip() if self.tool_format else ""
+            message.update(content=rest or None, tool_calls=c.tool_calls)
+            reason = "tool_calls"
+        return {"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
+                "finish_reason": reason}
+
+    def _choice_chunk(self, index: int, delta: dict[str, Any], logprobs: list[TokenLogprob],
                       reason: str | None) -> dict[str, Any]:
-        return self._chunk([{"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs),
-                             "finish_reason": reason}])
+        return self._chunk([{"index": index, "delta": delta,
+                             "logprobs": self._logprobs(logprobs), "finish_reason": reason}])
 
     def _logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
         if not self.logprobs:
@@ -134,24 +170,28 @@ class CompletionShape(_Shape):
 
     chunk_object = "text_completion"
 
-    def first_chunk(self) -> dict[str, Any] | None:
-        return None  # completions have no role to announce
+    def first_chunk(self, index: int = 0) -> dict[str, Any] | None:
+        # Completions have no role to announce; an echoed prompt comes first.
+        return self._chunk([self._choice(index, self.echo, [], None)]) if self.echo else None
 
-    def text_chunk(self, text: str, logprobs: list[TokenLogprob]) -> dict[str, Any]:
-        return self._chunk([self._choice(text, logprobs, None)])
+    def text_chunk(self, text: str, logprobs: list[TokenLogprob],
+                   index: int = 0) -> dict[str, Any]:
+        return self._chunk([self._choice(index, text, logprobs, None)])
 
-    def finish_chunk(self, reason: str, logprobs: list[TokenLogprob]) -> dict[str, Any]:
-        return self._chunk([self._choice("", logprobs, reason)])
+    def finish_chunk(self, reason: str, logprobs: list[TokenLogprob],
+                     index: int = 0) -> dict[str, Any]:
+        return self._chunk([self._choice(index, "", logprobs, reason)])
 
-    def body(self, text: str, logprobs: list[TokenLogprob], reason: str,
-             usage: dict[str, int]) -> dict[str, Any]:
+    def body(self, choices: list[ChoiceAnswer], usage: dict[str, int]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [self._choice(text, logprobs, reason)],
+                "model": self.model,
+                "choices": [self._choice(c.index, self.echo + c.text, c.logprobs, c.reason)
+                            for c in choices],
                 "usage": usage}
 
-    def _choice(self, text: str, logprobs: list[TokenLogprob],
+    def _choice(self, index: int, text: str, logprobs: list[TokenLogprob],
                 reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": self._logprobs(logprobs),
+        return {"index": index, "text": text, "logprobs": self._logprobs(logprobs),
                 "finish_reason": reason}
 
     def _logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:

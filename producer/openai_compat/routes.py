@@ -103,7 +103,12 @@ class OpenAIRoutes:
         answer_shape: Shape = shape(
             id=f"{id_prefix}{job_id}", model=self.model_name, created=int(time.time()),
             logprobs=body.wants_logprobs,
-            include_usage=bool(body.stream) and body.include_usage)
+            include_usage=bool(body.stream) and body.include_usage,
+            tool_format=(self.path.admission.tokenizer.tool_format
+                         if isinstance(body, ChatCompletionRequest) and body.offers_tools
+                         else None),
+            echo=body.echo_text if isinstance(body, CompletionRequest) else "",
+            n=body.n or 1)
         return with_headers(
             Answer(self.path.redis, self.path.hub, job_id, answer_shape, self.speller,
                    stream=bool(body.stream), retry_after_s=self.path.settings.retry_after_s),

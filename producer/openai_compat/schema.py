@@ -2,9 +2,10 @@
 into a tidegate ``JobRequest``.
 
 Every field OpenAI documents for the two endpoints is known here: sampling fields map onto the
-job, metadata and hints (``user``, ``store``, ``metadata``, ...) are accepted and ignored, and
-features tidegate lacks (``tools``, ``n`` > 1, ``logit_bias``, ``echo``, ...) are refused with
-a 400 naming the field, but only when set to something other than their neutral value. A
+job (``response_format``, ``tools`` and ``tool_choice``, ``logit_bias``, ``seed``, logprobs;
+``echo`` is the answer's), metadata and hints (``user``, ``store``, ``metadata``, ...) are
+accepted and ignored, and features tidegate lacks (``n`` > 1, audio, ...) are refused with a
+400 naming the field, but only when set to something other than their neutral value. A
 field OpenAI does not document is refused like any other unknown field. The bodies check
 shapes only; ranges are ``JobRequest``'s, whose errors are renamed back to the field sent.
 """
@@ -17,7 +18,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from producer.errors import FieldError, field_errors
 from producer.openai_compat.errors import OpenAIError, from_fields, invalid, unsupported
-from tidegate.protocol import JobRequest
+from tidegate.protocol import JobRequest, Tool, ToolCall, ToolChoice
+from tidegate.structured.grammar import GrammarError, check_format
+from tidegate.structured.response_format import ResponseFormat
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -47,6 +50,7 @@ class _Request(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None  # ignored
     # tidegate extensions (see POST /v1/jobs)
     top_k: int | None = None
@@ -62,10 +66,12 @@ class _Request(_Body):
 
     def check_supported(self) -> None:
         """Refuse features tidegate lacks when set to anything but their neutral value."""
-        if self.n not in (None, 1):
-            raise unsupported("n", "only n=1 is supported")
-        if self.logit_bias:
-            raise unsupported("logit_bias", "logit_bias is not supported")
+        try:
+            check_format(self.response_format)
+        except GrammarError as exc:  # 422, as the native API: the format cannot be compiled
+            raise OpenAIError(422, f"response_format.{exc.path}: {exc.reason}",
+                              param=f"response_format.{exc.path}",
+                              code="invalid_response_format") from exc
 
     def _job_fields(self) -> dict[str, Any]:
         """The sampling, deadline and lane fields of the job, as given (None: the default)."""
@@ -73,7 +79,14 @@ class _Request(_Body):
             "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
             "repetition_penalty", "timeout_s", "lane", "priority"}, exclude_none=True)
         temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
-        return {**given, "temperature": temperature}
+        fields = {**given, "temperature": temperature}
+        if self.n is not None:
+            fields["n"] = self.n
+        if self.response_format is not None:
+            fields["response_format"] = self.response_format
+        if self.logit_bias:
+            fields["logit_bias"] = self.logit_bias  # "123": 5.0 -> 123: 5.0 on validation
+        return fields
 
 
 class CompletionRequest(_Request):
@@ -87,8 +100,9 @@ class CompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise unsupported("echo", "echo is not supported")
+        if self.echo and self.logprobs is not None:
+            raise unsupported("echo", "echo with logprobs (the prompt's logprobs) is not "
+                              "supported; echo alone is")
         if self.suffix is not None:
             raise unsupported("suffix", "suffix is not supported")
         if self.best_of not in (None, 1):
@@ -97,6 +111,13 @@ class CompletionRequest(_Request):
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None  # 0: the chosen tokens' logprobs, no alternatives
+
+    @property
+    def echo_text(self) -> str:
+        """The prompt, when the answer echoes it before the completion."""
+        if not self.echo:
+            return ""
+        return self.prompt if isinstance(self.prompt, str) else str(self.prompt[0])
 
     @property
     def param_names(self) -> dict[str, str]:
@@ -122,11 +143,12 @@ class TextPart(_Body):
 
 
 class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # ignored
     refusal: str | None = None  # ignored (an assistant turn the model refused)
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
 
     @field_validator("content", mode="before")
@@ -144,10 +166,15 @@ class Message(_Body):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
-    def as_job_message(self) -> dict[str, str]:
+    def as_job_message(self) -> dict[str, Any]:
         # "developer" is OpenAI's newer name for the system role.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+        message: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_Request):
@@ -157,12 +184,11 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None  # ignored: there are no tools
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
@@ -181,21 +207,18 @@ class ChatCompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("tools", "functions", "audio", "prediction", "web_search_options",
-                     "moderation"):
+        for name in ("audio", "prediction", "web_search_options", "moderation"):
             if getattr(self, name):
                 raise unsupported(name, f"{name} is not supported")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise unsupported(name, f"{name} is not supported")
-        if self.response_format not in (None, {"type": "text"}):
-            raise unsupported("response_format", "only response_format {'type': 'text'} is "
-                              "supported")
+        if self.functions or self.function_call not in (None, "none"):
+            raise unsupported("functions" if self.functions else "function_call",
+                              "the deprecated functions API is not supported; use tools")
         if self.modalities not in (None, ["text"]):
             raise unsupported("modalities", "only the 'text' modality is supported")
         for i, message in enumerate(self.messages):
-            if message.tool_calls or message.function_call:
-                raise unsupported(f"messages.{i}.tool_calls", "tool calls are not supported")
+            if message.function_call:
+                raise unsupported(f"messages.{i}.function_call",
+                                  "the deprecated function_call is not supported; use tool_calls")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
 
@@ -209,8 +232,18 @@ class ChatCompletionRequest(_Request):
         given = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         return {"max_tokens": given, "logprobs": "top_logprobs"}
 
+    @property
+    def offers_tools(self) -> bool:
+        """Whether the answer reads tool calls out of the reply."""
+        return bool(self.tools) and self.tool_choice != "none"
+
     def job_request(self) -> JobRequest:
         fields = {**self._job_fields(), "messages": [m.as_job_message() for m in self.messages]}
+        if self.tools:
+            fields["tools"] = self.tools
+            fields["tool_choice"] = self.tool_choice or "auto"
+            if self.parallel_tool_calls is not None:
+                fields["parallel_tool_calls"] = self.parallel_tool_calls
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
         if max_tokens is not None:  # else tidegate's default, capped to the room left

@@ -12,6 +12,9 @@ from tidegate.model_files.chat_template import ChatTemplateError
 from tidegate.model_files.model_source import resolve_model
 from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
 from tidegate.protocol import MAX_TOKENS_LIMIT, JobRequest
+from tidegate.structured.grammar import GrammarError, check_format
+from tidegate.structured.response_format import GrammarFormat
+from tidegate.structured.tool_calls import forced_call_grammar
 
 # Prompts (or chats, their contents added up) of at most this many characters are admitted on
 # the event loop: tokenizing them takes 20-400 us, less than or about what handing the work to a
@@ -64,7 +67,10 @@ class Admission:
         return self.admit(request)[0]
 
     def admit(self, request: JobRequest) -> tuple[JobRequest, int]:
-        """``check``, with the prompt's token count (what the rate limiter charges)."""
+        """``check``, with the prompt's token count (what the rate limiter charges). A forced
+        tool call (``tool_choice`` required or named) comes back as the job's grammar."""
+        request = self._checked_tools(request)
+        self._check_logit_bias(request)
         prompt_tokens = self.count_prompt_tokens(request)
         field = "prompt" if request.prompt is not None else "messages"
         if prompt_tokens >= self.max_context:
@@ -94,6 +100,32 @@ class Admission:
             )
         return request, prompt_tokens
 
+    def _checked_tools(self, request: JobRequest) -> JobRequest:
+        if not request.rendered_tools():
+            return request
+        fmt = self.tokenizer.tool_format
+        if fmt is None:
+            raise AdmissionError("tools", "this model's chat template has no tool-call format "
+                                 "(it never renders tools), so it cannot call tools",
+                                 type="invalid_request")
+        if not request.forced_tools():
+            return request
+        grammar = forced_call_grammar(fmt, request.tools or [], request.tool_choice,
+                                      request.parallel_tool_calls)
+        try:
+            check_format(GrammarFormat(grammar=grammar))
+        except GrammarError as exc:
+            raise AdmissionError("tools", f"a tool's parameters cannot be enforced: "
+                                 f"{exc.reason}", type="invalid_request") from exc
+        return request.model_copy(update={"response_format": GrammarFormat(grammar=grammar)})
+
+    def _check_logit_bias(self, request: JobRequest) -> None:
+        vocab = self.tokenizer.vocab_size
+        for token in request.logit_bias or {}:
+            if token >= vocab:
+                raise AdmissionError("logit_bias", f"token id {token} is not in the model's "
+                                     f"vocabulary of {vocab} tokens", type="invalid_request")
+
     @staticmethod
     def is_quick(request: JobRequest) -> bool:
         """Whether ``check`` is cheap enough to run on the event loop (a short prompt)."""
@@ -106,6 +138,7 @@ class Admission:
     def count_prompt_tokens(self, request: JobRequest) -> int:
         """Tokens of the prompt as the worker will see it (chat messages rendered)."""
         try:
-            return len(self.tokenizer.encode_prompt(request.prompt, request.messages))
+            return len(self.tokenizer.encode_prompt(request.prompt, request.messages,
+                                                    request.rendered_tools()))
         except ChatTemplateError as exc:  # e.g. a template that insists roles alternate
             raise AdmissionError("messages", str(exc), type="invalid_request") from exc

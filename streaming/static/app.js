@@ -8,6 +8,8 @@
   const el = {
     form: $("ask-form"), prompt: $("prompt"), maxTokens: $("max-tokens"),
     temperature: $("temperature"), apiKey: $("api-key"), send: $("send"),
+    outputFormat: $("output-format"), jsonSchema: $("json-schema"),
+    jsonSchemaLabel: $("json-schema-label"),
     jobId: $("job-id"), status: $("status"), tokenCount: $("token-count"),
     finishReason: $("finish-reason"), usage: $("usage"), note: $("note"), error: $("error"),
     output: $("output"), queue: $("queue"), queueNote: $("queue-note"), workers: $("workers"),
@@ -105,8 +107,23 @@
     if (maxTokens !== "") request.max_tokens = Number(maxTokens);
     const temperature = el.temperature.value.trim();
     if (temperature !== "") request.temperature = Number(temperature);
+    const format = el.outputFormat.value;
+    if (format === "json_object") request.response_format = { type: "json_object" };
+    if (format === "json_schema") {
+      // Sent as typed: a schema that is not JSON reaches the server as a string, and its
+      // validation error names the field, as for any other bad input.
+      let schema = el.jsonSchema.value;
+      try { schema = JSON.parse(schema); } catch (_) { /* the server explains */ }
+      request.response_format = { type: "json_schema", json_schema: { name: "page", schema } };
+    }
     return request;
   }
+
+  el.outputFormat.addEventListener("change", () => {
+    const schema = el.outputFormat.value === "json_schema";
+    el.jsonSchema.hidden = !schema;
+    el.jsonSchemaLabel.hidden = !schema;
+  });
 
   function socketUrl() {
     return (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/stream";

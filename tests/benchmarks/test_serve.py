@@ -59,3 +59,33 @@ def test_polled_jobs_are_checked_from_their_stored_results(tmp_path: Path) -> No
     (burst,) = result["runs"]
     assert result["exact"] is True and result["capacity"] == {}
     assert burst["followed"] == {"ws": 4, "poll": 4} and burst["completed"] == 8
+
+
+def test_constrained_jobs_are_checked_against_their_schema(tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["a", "n"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    _, result = run_serve(tmp_path, "--only", "burst", "--burst", "6", "--response-format",
+                          str(path), "--follow", "mixed")
+    (burst,) = result["runs"]
+    assert result["exact"] is True and burst["completed"] == 6
+    check = burst["json_outputs"]
+    assert check["checked"] == 6 and check["invalid"] == 0
+    assert check["whole"] + check["prefixes"] == 6
+    alone = result["engine_alone"]["burst"]
+    assert alone["grammar_masks"]["rows"] > 0 and burst["same_text_as_engine_alone"] == 1.0
+
+
+def test_the_json_check_tells_prefixes_whole_documents_and_breaks_apart() -> None:
+    from benchmarks.serving.json_check import json_prefix_problem, output_problem
+
+    doc = '{"a": "x\\u00e9", "b": [1, -2.5e+3, true, null, {}], "c": {"d": []}}'
+    assert all(json_prefix_problem(doc[:k])[0] is None for k in range(len(doc) + 1))
+    assert json_prefix_problem(doc) == (None, True)
+    for bad in ('{"a" 1}', "[1,]", '{"a": tru,', "01", '{"a": 1}}', '"\x01"', '{"a": 1.}'):
+        assert json_prefix_problem(bad)[0] is not None, bad
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    assert output_problem('{"a": "x', "length", schema) == (None, False)
+    assert "closed" in (output_problem('{"a": "x', "stop", schema)[0] or "")
+    assert output_problem('{"a": "x"}', "stop", schema) == (None, True)

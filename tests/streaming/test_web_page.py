@@ -7,18 +7,20 @@ redis-server; Selenium drives the system's Chromium through the system's chromed
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webelement import WebElement
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
@@ -153,6 +155,29 @@ def test_page_streams_the_answer_and_shows_the_queue(page: webdriver.Chrome, sta
     assert _element(page, "error").get_attribute("hidden") is not None
     assert not _console_errors(page)
     _screenshot(page, tmp_path, "web_page.png")
+
+
+def test_the_page_asks_for_json_that_follows_a_schema(page: webdriver.Chrome, stack: str,
+                                                     tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {
+        "capital": {"type": "string", "maxLength": 30},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 100}},
+        "required": ["capital", "population_millions"], "additionalProperties": False}
+    Select(_element(page, "output-format")).select_by_value("json_schema")
+    box = _element(page, "json-schema")
+    assert box.is_displayed()
+    box.clear()
+    box.send_keys(json.dumps(schema))
+    _ask(page, "What is the capital of France?", max_tokens=60)
+    status = _final_status(page)
+    assert status == "done", f"{status}: {_text(page, 'error')}"
+    output = _text(page, "output")
+    jsonschema.validate(json.loads(output), schema)  # only the grammar's mask allows this
+    assert _text(page, "finish-reason") == "stop"
+    assert output == _stored_result(stack, _text(page, "job-id"))["text"]
+    Select(_element(page, "output-format")).select_by_value("text")
+    assert not box.is_displayed() and not _element(page, "json-schema-label").is_displayed()
+    _screenshot(page, tmp_path, "web_page_json.png")
 
 
 def test_empty_prompt_shows_the_servers_validation_error(page: webdriver.Chrome,

@@ -55,7 +55,7 @@ def test_job_request_defaults_and_deadline_from_timeout() -> None:
         ({"prompt": "hi", "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, "stop_token_ids"),
         ({"prompt": "hi", "ignore_eos": "maybe"}, "ignore_eos"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
-        ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x", "nickname": "bob"}]}, "messages"),
     ],
 )
 def test_bad_job_requests_name_the_field(body: dict, field: str) -> None:

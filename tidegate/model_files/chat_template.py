@@ -17,9 +17,34 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Used when a model ships no template: plain ChatML, which SmolLM2 and many others were tuned on.
+# With tools it writes them into the system turn and takes calls in the Hermes format (the one
+# most ChatML models were tuned on), so models without a template of their own can call tools.
 CHATML_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ 'You may call functions. Their signatures, as JSON schemas, are inside <tools></tools>:"
+    "\n<tools>\n' }}"
+    "{% for tool in tools %}{{ tool | tojson + '\n' }}{% endfor %}"
+    "{{ '</tools>\nTo call one, answer with a JSON object {\"name\": function name, "
+    "\"arguments\": arguments object} between <tool_call> and </tool_call>, one call per "
+    "pair.<|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined %}"
+    "{{ '<|im_start|>assistant\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{ call['function']['arguments'] | tojson + '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + "
+    "'\n</tool_response><|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -67,13 +92,17 @@ class ChatTemplate:
         self._variables = {k: v for k, v in variables.items() if v is not None}
 
     def render(
-        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """The conversation as the model's prompt text, ending with the assistant's turn opener."""
+        """The conversation as the model's prompt text, ending with the assistant's turn opener.
+        ``tools``: OpenAI's tool objects, which templates that know tools render."""
+        extra = {"tools": [dict(t) for t in tools]} if tools else {}
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
+                **extra,
                 **self._variables,
             )
         except jinja2.TemplateError as exc:

@@ -25,7 +25,8 @@ from tidegate.model_files.model_source import (
     gguf_header,
 )
 from tidegate.model_files.sentencepiece_bpe import sentencepiece_backend
-from tidegate.protocol import ChatMessage
+from tidegate.protocol import ChatMessage, Tool
+from tidegate.structured.tool_calls import ToolFormat, tool_format_of
 
 # Specials of the byte-level tokenizer of random-weight models, after the 256 byte tokens.
 _BYTE_SPECIALS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")
@@ -83,22 +84,32 @@ class Tokenizer:
             return text
         return self.backend.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The conversation as prompt text, ending where the assistant's reply begins."""
-        return self.chat_template.render(messages, add_generation_prompt=True)
+        return self.chat_template.render(messages, add_generation_prompt=True, tools=tools)
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """How this model's chat template writes tool calls; None: it renders no tools."""
+        return tool_format_of(self.chat_template.source)
 
     def encode_prompt(
-        self, prompt: str | None, messages: Sequence[ChatMessage | Mapping[str, str]] | None
+        self, prompt: str | None, messages: Sequence[ChatMessage | Mapping[str, Any]] | None,
+        tools: Sequence[Tool] | None = None,
     ) -> list[int]:
-        """Ids for a job: a plain prompt, or messages rendered through the chat template."""
+        """Ids for a job: a plain prompt, or messages (and tools) rendered through the chat
+        template."""
         if messages is None:
             if prompt is None:
                 raise ValueError("give a prompt or messages")
             return self.encode(prompt)
-        plain = [m.model_dump() if isinstance(m, ChatMessage) else dict(m) for m in messages]
+        plain = [m.template_dict() if isinstance(m, ChatMessage) else dict(m) for m in messages]
+        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         # As apply_chat_template: the template writes its own specials, so the tokenizer's
         # post-processor adds none; BOS is added only if the model wants one and it is missing.
-        ids = self.backend.encode(self.render_chat(plain), add_special_tokens=False).ids
+        text = self.render_chat(plain, tool_dicts)
+        ids = self.backend.encode(text, add_special_tokens=False).ids
         return self._with_bos(ids)
 
     def save(self, model_dir: Path) -> None:

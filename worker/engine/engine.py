@@ -4,6 +4,8 @@ Requests join at step boundaries and leave the moment they finish. Each step the
 running decodes and prompt chunks under a token budget, the model runner computes them in one
 forward pass over the paged KV cache, and the engine turns sampled tokens into outputs: text
 released incrementally, stopped by EOS, stop token ids, stop strings or max_tokens.
+A request with a ``response_format`` samples under its grammar's token mask, computed on the
+host while the device runs the step's forward pass, and ends once its grammar is complete.
 """
 
 from __future__ import annotations
@@ -11,27 +13,35 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from tidegate.model_files.tokenizer import Tokenizer
 from tidegate.protocol import FinishReason, SamplingParams
+from tidegate.structured.grammar import GrammarError, grammar_of
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.grammar_masks import GrammarMasks, GrammarUnavailable, TokenMask
 from worker.engine.kv_cache import (
     KV_CACHE_DTYPES,
     KVCacheSpec,
     kv_cache_torch_dtype,
     plan_kv_cache,
 )
-from worker.engine.model_runner import ModelRunner
+from worker.engine.model_runner import ModelRunner, StepLogits
 from worker.engine.sampler import SamplerLaunch, TokenLogprobs, is_penalised
 from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.engine.sequence import SeqStatus, Sequence
 from worker.models.decoder import DecoderModel
 
 log = logging.getLogger("tidegate.engine")
+
+
+def choice_id(request_id: str, choice: int) -> str:
+    """The engine's id of a request's choice k > 0 (choice 0's is the request's own)."""
+    return f"{request_id}#{choice}"
 
 
 class RequestError(ValueError):
@@ -116,6 +126,7 @@ class RequestOutput:
     num_output_tokens: int
     output_text: str  # all text released so far (the result, once finished)
     logprobs: TokenLogprobs | None = None
+    choice: int = 0  # which of the request's n choices (request_id is the request's)
 
 
 @dataclass(slots=True)
@@ -162,33 +173,55 @@ class Engine:
             raise ValueError("async_scheduling needs async_output")
         # The launched step whose tokens have not been read back yet (async_output only).
         self._inflight: tuple[SchedulerOutput, SamplerLaunch] | None = None
+        # A launched forward pass whose sampling waits for grammar masks (async_output only).
+        self._unsampled: tuple[SchedulerOutput, StepLogits] | None = None
+        self.grammars = GrammarMasks(tokenizer, model.cfg.vocab_size,
+                                     max_rows=config.max_num_seqs,
+                                     pin=param.device.type == "cuda")
         self._seqs: dict[str, Sequence] = {}
+        self._groups: dict[str, list[str]] = {}  # request id -> its choices' sequence ids
         self._aborted: dict[str, FinishReason] = {}
         self._arrivals = itertools.count()
 
     # ------------------------------------------------------------------ interface
 
     def add_request(self, request: EngineRequest) -> None:
+        """Queue a request: ``params.n`` sequences (choices), choice k's id ``<id>#k`` inside
+        the engine, its outputs under the request's id with ``choice`` k."""
         self._check_limits(request)
         params = request.params
         seed = request.seed if request.seed is not None else params.seed
-        self._seqs[request.request_id] = seq = Sequence(
-            request_id=request.request_id,
-            prompt_ids=list(request.prompt_ids),
-            params=params,
-            detokenizer=self._resumed_detokenizer(request),
-            seed=seed if seed is not None else secrets.randbits(63),
-            arrival=next(self._arrivals),
-            # A continued request's tokens are computed again with its prompt (one prefill),
-            # exactly as a preempted request's are.
-            output_ids=list(request.output_ids),
-            max_num_tokens=min(len(request.prompt_ids) + params.max_tokens,
-                               self.config.max_model_len),
-            lane=request.lane,
-            priority=request.priority,
-            deadline_ms=request.deadline_ms,
-        )
-        self.scheduler.add(seq)
+        seed = seed if seed is not None else secrets.randbits(63)
+        grammar = self._grammar(request)
+        if params.n > 1 and request.output_ids:
+            raise RequestError("a request with n > 1 cannot continue from tokens")
+        first: Sequence | None = None
+        ids = [request.request_id, *(choice_id(request.request_id, k) for k in range(1, params.n))]
+        self._groups[request.request_id] = ids
+        for k, rid in enumerate(ids):
+            self._seqs[rid] = seq = Sequence(
+                request_id=rid,
+                prompt_ids=list(request.prompt_ids),
+                params=params,
+                detokenizer=self._resumed_detokenizer(request),
+                seed=(seed + k) % 2**63,  # each choice its own stream, reproducible
+                arrival=next(self._arrivals),
+                # A continued request's tokens are computed again with its prompt (one
+                # prefill), exactly as a preempted request's are.
+                output_ids=list(request.output_ids),
+                max_num_tokens=min(len(request.prompt_ids) + params.max_tokens,
+                                   self.config.max_model_len),
+                lane=request.lane,
+                priority=request.priority,
+                deadline_ms=request.deadline_ms,
+                group_id=request.request_id,
+                choice=k,
+                waits_for=first if self.config.prefix_caching else None,
+            )
+            first = first or seq
+            if grammar is not None:
+                self.grammars.add(rid, grammar, request.output_ids)
+            self.scheduler.add(seq)
 
     def check_request(self, request: EngineRequest) -> None:
         """Raise ``RequestError`` for a request that could never run here (``ResumeError``
@@ -201,7 +234,7 @@ class Engine:
         n, max_tokens = len(request.prompt_ids), request.params.max_tokens
         if n == 0:
             raise RequestError("prompt is empty")
-        if request.request_id in self._seqs:
+        if request.request_id in self._groups or request.request_id in self._seqs:
             raise RequestError(f"request {request.request_id} is already running")
         limit = self.config.max_model_len
         if n + 1 > limit:
@@ -213,6 +246,22 @@ class Engine:
             raise RequestError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) can never fit in this "
                 f"worker's KV cache of {self.kv_spec.num_tokens} tokens")
+        grammar = self._grammar(request)
+        if grammar is not None:
+            try:
+                self.grammars.check(grammar)
+            except GrammarUnavailable as exc:
+                raise RequestError(f"response_format: {exc}") from exc
+            try:
+                self.grammars.check(grammar, request.output_ids)
+            except GrammarUnavailable as exc:
+                raise ResumeError(str(exc)) from exc
+
+    def _grammar(self, request: EngineRequest) -> str | None:
+        try:
+            return grammar_of(request.params.response_format)
+        except GrammarError as exc:
+            raise RequestError(f"response_format.{exc.path}: {exc.reason}") from exc
 
     def _resumed_detokenizer(self, request: EngineRequest) -> IncrementalDetokenizer:
         """The request's detokenizer, past its tokens already generated: it holds back what
@@ -235,9 +284,10 @@ class Engine:
         return detokenizer
 
     def abort(self, request_id: str, reason: FinishReason = "cancelled") -> None:
-        """Stop a request at the next step boundary, finishing with ``reason``."""
-        if request_id in self._seqs:
-            self._aborted.setdefault(request_id, reason)
+        """Stop a request (every choice) at the next step boundary, finishing with ``reason``."""
+        for rid in self._groups.get(request_id, ()):
+            if rid in self._seqs:
+                self._aborted.setdefault(rid, reason)
 
     def reset_stats(self) -> None:
         """Zero the counters (after a warm-up that must not show in the metrics)."""
@@ -286,8 +336,13 @@ class Engine:
         if not sched.chunks:
             return outputs
         tables = [self.blocks.block_table(c.seq.request_id) for c in sched.chunks]
+        sampling_ids = [c.seq.request_id for c in sched.chunks if c.samples]
+        # The masks are computed on a helper thread while the forward pass runs.
+        masks = (self.grammars.fill_async(sampling_ids) if self._constrained(sampling_ids)
+                 else None)
         with torch.inference_mode():
-            sampled = self.runner.run(sched, tables)
+            step = self.runner.forward(sched, tables)
+            sampled = self.runner.sample(step, masks.result() if masks else None)()
         self.scheduler.commit(sched)
         self._count(sched)
         sampling = [c.seq for c in sched.chunks if c.samples]
@@ -306,6 +361,7 @@ class Engine:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             self._launch(None)
+            self._sample_deferred(self._deferred_masks())
             return []
         sched, launched = inflight
         # The step's inputs are all known by now (pending tokens are its new ones): commit
@@ -314,13 +370,21 @@ class Engine:
         self._count(sched)
         if self.async_scheduling and self._can_schedule_ahead(sched):
             self._launch(launched)
-            return [self._emit(seq, sampled) for seq, sampled in self._read(sched, launched)]
+            read = self._read(sched, launched)
+            # Its masks need the tokens just read; they are computed on llguidance's threads
+            # while this thread detokenizes, and the sampling is queued after.
+            masks = self._deferred_masks()
+            outputs = [self._emit(seq, sampled) for seq, sampled in read]
+            self._sample_deferred(masks)
+            return outputs
         read = self._read(sched, launched)
         ending = [(seq, s) for seq, s in read if self._ends_on_token(seq, s.token)]
         outputs = [self._emit(seq, s) for seq, s in ending]  # they leave before scheduling
         self._launch(None)
+        masks = self._deferred_masks()
         # The device is busy with the next step; detokenize this one meanwhile.
         outputs += [self._emit(seq, s) for seq, s in read if seq.status is not SeqStatus.FINISHED]
+        self._sample_deferred(masks)
         return outputs
 
     def _can_schedule_ahead(self, sched: SchedulerOutput) -> bool:
@@ -343,11 +407,39 @@ class Engine:
             return
         tables = [self.blocks.block_table(c.seq.request_id) for c in sched.chunks]
         with torch.inference_mode():
-            self._inflight = (sched, self.runner.launch(sched, tables, previous))
+            step = self.runner.forward(sched, tables, previous)
+            if self._constrained([seq.request_id for seq in step.rows]):
+                # Sampled once the masks are computed, after the previous step's tokens are
+                # read (``_sample_deferred``), while the device runs this forward pass.
+                self._unsampled = (sched, step)
+            else:
+                self._inflight = (sched, self.runner.sample(step))
         for chunk in sched.chunks:
             if chunk.samples:
                 chunk.seq.num_pending += 1
         self.stats.scheduled_ahead += previous is not None
+
+    def _deferred_masks(self) -> Future[TokenMask | None] | None:
+        """Start computing the launched step's grammar masks (its matchers are up to date)."""
+        if self._unsampled is None:
+            return None
+        return self.grammars.fill_async([seq.request_id for seq in self._unsampled[1].rows])
+
+    def _sample_deferred(self, masks: Future[TokenMask | None] | None) -> None:
+        """Queue the launched step's sampling once its masks are computed."""
+        if self._unsampled is None or masks is None:
+            return
+        (sched, step), self._unsampled = self._unsampled, None
+        mask = masks.result()
+        with torch.inference_mode():
+            self._inflight = (sched, self.runner.sample(step, mask))
+        for seq in step.rows:  # finished meanwhile: its token is dropped, so is its generator
+            if seq.status is SeqStatus.FINISHED:
+                self.runner.free(seq.request_id)
+
+    def _constrained(self, request_ids: list[str]) -> bool:
+        grammars = self.grammars
+        return bool(grammars) and any(rid in grammars for rid in request_ids)
 
     def _read(self, sched: SchedulerOutput, launched: SamplerLaunch
               ) -> list[tuple[Sequence, _Sampled]]:
@@ -363,6 +455,8 @@ class Engine:
             seq.num_pending -= 1
             seq.output_ids.append(token)
             read.append((seq, _Sampled(token, lp)))
+        if self.grammars:  # every matcher advanced in one call (llguidance's thread pool)
+            self._took_all([(seq, s.token) for seq, s in read])
         return read
 
     def _count(self, sched: SchedulerOutput) -> None:
@@ -376,12 +470,35 @@ class Engine:
 
     # ------------------------------------------------------------------ per token
 
+    def _took(self, seq: Sequence, token: int) -> None:
+        """Advance the request's grammar past its new token."""
+        if seq.request_id in self.grammars:
+            self._took_all([(seq, token)])
+
+    def _took_all(self, tokens: list[tuple[Sequence, int]]) -> None:
+        """Advance each request's grammar past its new token."""
+        rows = [(seq, token) for seq, token in tokens if seq.request_id in self.grammars]
+        accepted = self.grammars.consume_all([(seq.request_id, t) for seq, t in rows])
+        for (seq, token), ok in zip(rows, accepted, strict=True):
+            if not ok:  # the mask allowed it, so only a grammar bug gets here: it fails
+                log.error("request %s: the grammar refused token %d: %s", seq.request_id,
+                          token, self.grammars.error(seq.request_id))
+                seq.grammar_failed = True
+            # Read now: from here until the next step's sampling is queued, the matchers are
+            # the mask thread's (``_deferred_masks``), and a matcher is not shared.
+            seq.grammar_complete = self.grammars.is_complete(seq.request_id)
+
+    @staticmethod
+    def _grammar_ended(seq: Sequence) -> bool:
+        return seq.grammar_failed or seq.grammar_complete
+
     def _ends_on_token(self, seq: Sequence, token: int) -> bool:
         """Whether the token just appended ends the request whatever its text says."""
         params = seq.params
         return ((token in self.tokenizer.eos_token_ids and not params.ignore_eos)
                 or token in params.stop_token_ids
-                or self._reached_length(seq))
+                or self._reached_length(seq)
+                or self._grammar_ended(seq))
 
     def _reached_length(self, seq: Sequence) -> bool:
         """max_tokens or the context reached, counting the tokens read (not those pending)."""
@@ -390,6 +507,7 @@ class Engine:
 
     def _advance(self, seq: Sequence, sampled: _Sampled) -> RequestOutput:
         seq.output_ids.append(sampled.token)
+        self._took(seq, sampled.token)
         return self._emit(seq, sampled)
 
     def _emit(self, seq: Sequence, sampled: _Sampled) -> RequestOutput:
@@ -401,6 +519,9 @@ class Engine:
         text = seq.detokenizer.push(token)
         if seq.detokenizer.stopped:
             return self._finish(seq, "stop", sampled, text)
+        if self._grammar_ended(seq):  # the document is complete: nothing may follow
+            reason: FinishReason = "error" if seq.grammar_failed else "stop"
+            return self._finish(seq, reason, sampled, text + seq.detokenizer.flush())
         if self._reached_length(seq):
             return self._finish(seq, "length", sampled, text + seq.detokenizer.flush())
         return self._output(seq, sampled, text)
@@ -411,13 +532,18 @@ class Engine:
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self.runner.free(seq.request_id)
+        self.grammars.remove(seq.request_id)
         del self._seqs[seq.request_id]
+        group = self._groups.get(seq.group_id)
+        if group is not None and not any(rid in self._seqs for rid in group):
+            del self._groups[seq.group_id]
         return self._output(seq, sampled, text)
 
     def _output(self, seq: Sequence, sampled: _Sampled | None, text: str) -> RequestOutput:
         n_out = len(seq.output_ids)
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=seq.group_id,
+            choice=seq.choice,
             token_id=sampled.token if sampled else None,
             index=n_out - 1 if sampled else n_out,
             text=text,

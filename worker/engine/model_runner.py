@@ -16,9 +16,11 @@ import torch
 from kernels import ops
 from kernels.native_cpu import native_kernels
 from kernels.paged_attention import PagedAttentionMetadata, PagedLayer, upload
+from worker.engine.grammar_masks import TokenMask
 from worker.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker.engine.sampler import Sampler, SamplerLaunch, SamplerOutput
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+from worker.engine.sequence import Sequence
 from worker.models.decoder import DecoderModel, LayerAttention
 
 
@@ -48,6 +50,15 @@ class PagedAttention:
     def paged_layer(self, layer: int) -> PagedLayer:
         return PagedLayer(self.kv_cache[layer, 0], self.kv_cache[layer, 1], self.meta,
                           self.scale)
+
+
+@dataclass(frozen=True, slots=True)
+class StepLogits:
+    """A queued forward pass: the logits of its sampling rows (on the device) and their
+    sequences, in order."""
+
+    logits: torch.Tensor  # [S, V] float32
+    rows: list[Sequence]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +96,10 @@ class ModelRunner:
                 max_model_len=max_model_len or model.cfg.max_position_embeddings,
                 scale=self.scale)
 
-    def run(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> SamplerOutput:
+    def run(self, sched: SchedulerOutput, block_tables: list[list[int]],
+            mask: TokenMask | None = None) -> SamplerOutput:
         """Compute every scheduled chunk; sample the next token of each sampling chunk."""
-        return self.launch(sched, block_tables)()
+        return self.sample(self.forward(sched, block_tables), mask)()
 
     def launch(self, sched: SchedulerOutput, block_tables: list[list[int]],
                previous: SamplerLaunch | None = None) -> SamplerLaunch:
@@ -97,6 +109,12 @@ class ModelRunner:
         ``previous``: the step launched before, its tokens not read back yet. A decode whose
         input token it sampled (still pending in the sequence) takes that token on the device,
         so this step is queued without waiting for the previous one."""
+        return self.sample(self.forward(sched, block_tables, previous))
+
+    def forward(self, sched: SchedulerOutput, block_tables: list[list[int]],
+                previous: SamplerLaunch | None = None) -> StepLogits:
+        """Queue the step's forward pass (as ``launch``); its sampling is left to ``sample``,
+        so grammar masks can be computed on the host meanwhile."""
         rows = [c.seq for c in sched.chunks if c.samples]
         fill = self._pending_inputs(sched, previous)
         if self.graphs is not None and self._graph_step(sched):
@@ -106,14 +124,17 @@ class ModelRunner:
                 [_first_input(c) for c in sched.chunks], positions,
                 [slot_of(t, p, bs) for t, p in zip(block_tables, positions, strict=True)],
                 block_tables, fill=fill)
-            return self.sampler.launch(self.model.compute_logits(hidden), rows)
+            return StepLogits(self.model.compute_logits(hidden), rows)
         inp = self.prepare(sched, block_tables)
         if fill is not None:
             fill(inp.input_ids)
         hidden = self.model(inp.input_ids, inp.positions,
                             PagedAttention(self.kv_cache, inp.meta, self.scale))
-        logits = self.model.compute_logits(hidden[inp.sample_rows])
-        return self.sampler.launch(logits, rows)
+        return StepLogits(self.model.compute_logits(hidden[inp.sample_rows]), rows)
+
+    def sample(self, step: StepLogits, mask: TokenMask | None = None) -> SamplerLaunch:
+        """Queue the sampling of a forward pass's logits, ``mask`` applied first."""
+        return self.sampler.launch(step.logits, step.rows, mask)
 
     def _pending_inputs(self, sched: SchedulerOutput, previous: SamplerLaunch | None
                         ) -> Callable[[torch.Tensor], None] | None:

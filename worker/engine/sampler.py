@@ -1,7 +1,9 @@
 """Batched token sampling: penalties, temperature, top-k / top-p / min-p, seeds and logprobs.
 
 The sampler owns picking one token per row from the model's logits, for the whole batch in a
-few tensor ops, and each request's random stream. The order follows Hugging Face: repetition
+few tensor ops, and each request's random stream. First the grammar masks of constrained rows
+(``response_format``: disallowed tokens to -inf, on the device) and each row's ``logit_bias``
+are applied; then, in Hugging Face's order: repetition
 penalty (prompt and generated tokens), presence / frequency penalties (generated tokens only,
 OpenAI semantics), temperature, top-k, top-p over the renormalised top-k, then min-p. Only a
 top-p row without top-k pays for a whole-row sort; top-k rows take a topk. Greedy rows
@@ -23,7 +25,10 @@ from typing import Protocol
 
 import torch
 
+from kernels import ops
+from kernels.paged_attention import upload
 from tidegate.protocol import SamplingParams
+from worker.engine.grammar_masks import TokenMask
 
 # Logprobs are clamped to this floor (as vLLM does) so -inf never reaches JSON.
 LOGPROB_FLOOR = -9999.0
@@ -72,13 +77,16 @@ class Sampler:
         self.device = torch.device(device)
         self._generators: dict[str, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 mask: TokenMask | None = None) -> SamplerOutput:
         """logits [N, V] float32, the model's raw output, aligned with ``rows``."""
-        return self.launch(logits, rows)()
+        return self.launch(logits, rows, mask)()
 
-    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerLaunch:
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+               mask: TokenMask | None = None) -> SamplerLaunch:
         """Queue the sampling (on a GPU it runs asynchronously) and return what reads the
-        chosen tokens back: the one host synchronisation of a step, left to the caller."""
+        chosen tokens back: the one host synchronisation of a step, left to the caller.
+        ``mask``: the grammar masks of the constrained rows."""
         self._check(logits, rows)
         ids = [row.request_id for row in rows]
         if not rows:
@@ -86,6 +94,17 @@ class Sampler:
             return SamplerLaunch(ids, empty, lambda: SamplerOutput([], []))
         params = [row.params for row in rows]
         raw = logits
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if mask is not None or biased:
+            # Logprobs stay the model's own: masks and biases change a copy when asked for.
+            if any(p.logprobs is not None for p in params):
+                logits = logits.clone()
+            if mask is not None:
+                bits = mask.bits.to(logits.device, non_blocking=True)
+                ops.apply_token_bitmask(logits, bits, upload(mask.rows, torch.long,
+                                                             logits.device))
+            if biased:
+                apply_logit_bias(logits, [params[i].logit_bias or {} for i in biased], biased)
         if any(is_penalised(p) for p in params):
             logits = apply_penalties(logits, rows)
         sampled = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
@@ -163,6 +182,27 @@ class Sampler:
         home = self.device
         if logits.device.type != home.type or home.index not in (None, logits.device.index):
             raise ValueError(f"logits on {logits.device}, but this sampler works on {home}")
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]],
+                     rows: list[int]) -> None:
+    """In place: add ``biases[i][t]`` to ``logits[rows[i], t]`` (OpenAI's logit_bias). Ids past
+    the vocabulary are ignored (admission refuses them; a padded vocabulary has no text)."""
+    vocab = logits.shape[1]
+    at_row: list[int] = []
+    at_token: list[int] = []
+    values: list[float] = []
+    for row, bias in zip(rows, biases, strict=True):
+        for token, value in bias.items():
+            if token < vocab:
+                at_row.append(row)
+                at_token.append(token)
+                values.append(value)
+    if not values:
+        return
+    index = upload([at_row, at_token], torch.long, logits.device)
+    logits.index_put_((index[0], index[1]),
+                      upload(values, torch.float32, logits.device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

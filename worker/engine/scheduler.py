@@ -149,14 +149,19 @@ class Scheduler:
                 self.blocks.commit(seq.request_id, seq.all_ids(), seq.num_computed)
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0
+        while (i < len(self.waiting) and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[i]
+            if seq.blocked:  # a sibling computes the shared prompt first: let others pass
+                i += 1
+                continue
             ids = seq.all_ids()  # a preempted request recomputes its generated tokens too
             cached = len(self.blocks.cached_prefix(ids)) * self.blocks.block_size
             n = min(len(ids) - cached, budget)
             if not self.blocks.can_allocate(ids, cached + n):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             self.prefix_query_tokens += len(ids)
             self.prefix_hit_tokens += cached
             seq.num_computed = self.blocks.allocate(seq.request_id, ids, cached + n)

@@ -40,6 +40,24 @@ class Sequence:
     num_cached_prompt: int = 0  # prompt tokens served by the prefix cache (last admission)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    grammar_failed: bool = False  # its grammar refused a token (a grammar engine bug)
+    grammar_complete: bool = False  # its grammar can take no more tokens: it ends
+    # Choices of one request (n > 1): the request's id and this choice's number; choice 0's
+    # id is the request's. ``waits_for``: admitted once that sibling computed the prompt, so
+    # the prefix cache hands it the prompt's blocks instead of computing them again.
+    group_id: str = ""
+    choice: int = 0
+    waits_for: Sequence | None = None
+
+    def __post_init__(self) -> None:
+        self.group_id = self.group_id or self.request_id
+
+    @property
+    def blocked(self) -> bool:
+        """Waiting for a sibling to compute the shared prompt first."""
+        first = self.waits_for
+        return (first is not None and first.status is not SeqStatus.FINISHED
+                and first.num_computed < len(first.prompt_ids))
 
     @property
     def num_tokens(self) -> int:

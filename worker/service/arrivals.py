@@ -206,7 +206,8 @@ class ArrivalIntake:
     def _tokenized(self, delivery: Delivery, job: Job, next_id: int, taken_over: bool,
                    resume: Resume | None) -> Arrival:
         try:
-            prompt_ids = self.tokenizer.encode_prompt(job.prompt, job.messages)
+            prompt_ids = self.tokenizer.encode_prompt(job.prompt, job.messages,
+                                                      job.rendered_tools())
         except ValueError as exc:  # a chat template refusing the messages
             return Arrival(delivery, job, next_id, taken_over, [], str(exc))
         return Arrival(delivery, job, next_id, taken_over, prompt_ids, resume=resume)
@@ -260,7 +261,8 @@ class ArrivalIntake:
         n = self._prompt_lens.get(job.id)
         if n is None:
             try:
-                n = len(self.tokenizer.encode_prompt(job.prompt, job.messages))
+                n = len(self.tokenizer.encode_prompt(job.prompt, job.messages,
+                                                     job.rendered_tools()))
             except ValueError:
                 n = 0  # _admit will answer it with the proper error
             self._prompt_lens[job.id] = n

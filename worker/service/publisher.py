@@ -31,9 +31,11 @@ from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
 from tidegate.events.event_log import EventBatch, EventLog, Written
 from tidegate.protocol import (
+    Choice,
     DoneEvent,
     ErrorEvent,
     FinishReason,
+    FunctionCall,
     Job,
     MigratedEvent,
     RejectedEvent,
@@ -41,12 +43,14 @@ from tidegate.protocol import (
     StartedEvent,
     Timings,
     TokenEvent,
+    ToolCall,
     TopLogprob,
     Usage,
     now_ms,
     token_event_json,
 )
 from tidegate.retention import Retention
+from tidegate.structured.tool_calls import ToolFormat, new_call_id
 from worker.engine.engine import RequestOutput
 from worker.engine.sampler import TokenLogprobs
 from worker.service.intake import Delivery
@@ -59,8 +63,20 @@ STALL_S = 1.0  # a write in flight this long (Redis unreachable, client retrying
 
 
 @dataclass(slots=True)
+class ChoiceTokens:
+    """A further choice of a job with n > 1: its tokens not written yet, and its end."""
+
+    index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    end: RequestOutput | None = None
+
+
+@dataclass(slots=True)
 class ActiveJob:
-    """A job the engine is running, and what of it is not written yet."""
+    """A job the engine is running, and what of it is not written yet (its first choice's
+    tokens here, the others' in ``choices``)."""
 
     job: Job
     delivery: Delivery
@@ -83,10 +99,23 @@ class ActiveJob:
     end_ms: int = 0
     job_id: str = ""  # job.id, kept at hand for the hot path
     shard: int = -1  # its live channel (keys.live_shard)
+    choices: list[ChoiceTokens] = field(default_factory=list)  # choices 1..n-1
+    first_end: RequestOutput | None = None  # n > 1: the first choice's end, before all end
 
     def __post_init__(self) -> None:
         self.job_id = self.job.id
         self.shard = keys.live_shard(self.job_id)
+        self.choices = [ChoiceTokens() for _ in range(self.job.sampling.n - 1)]
+
+    def ended(self, out: RequestOutput) -> bool:
+        """Note a choice's end; whether the job ended (every choice did)."""
+        if not self.choices:
+            return True
+        if out.choice == 0:
+            self.first_end = out
+        else:
+            self.choices[out.choice - 1].end = out
+        return self.first_end is not None and all(c.end is not None for c in self.choices)
 
     def take_id(self) -> int:
         self.next_event_id += 1
@@ -113,8 +142,10 @@ class EventPublisher:
         metrics: WorkerMetrics | None = None, interval_s: float = 0.0,
         on_finished: Callable[[ActiveJob], None] = lambda job: None,
         on_lost: Callable[[list[str]], None] = lambda job_ids: None,
+        tool_format: ToolFormat | None = None,
     ) -> None:
         self.retention = retention or Retention()
+        self.tool_format = tool_format  # reads the calls of jobs with tools out of their text
         # Fenced by this worker's id: a job another worker took over gets no more writes.
         self.log = EventLog(redis, ttl_s=self.retention.unfinished_s, owner=worker_id)
         self.worker_id = worker_id
@@ -154,12 +185,14 @@ class EventPublisher:
             if job is None:  # lost to another worker, and aborted here: nothing to write
                 continue
             if out.token_id is not None:
-                if not job.token_ids:
-                    job.index = out.index
-                job.token_ids.append(out.token_id)
-                job.texts.append(out.text)
+                tokens: ActiveJob | ChoiceTokens = (
+                    job.choices[out.choice - 1] if out.choice else job)
+                if not tokens.token_ids:
+                    tokens.index = out.index
+                tokens.token_ids.append(out.token_id)
+                tokens.texts.append(out.text)
                 if out.logprobs is not None:
-                    job.logprobs.append(out.logprobs)
+                    tokens.logprobs.append(out.logprobs)
                 if job.last_token_ms is None:
                     job.first_token_ms = stamp
                     self._urgent.set()
@@ -167,8 +200,8 @@ class EventPublisher:
                     gap = stamp - job.last_token_ms
                     gaps[gap] = gaps.get(gap, 0) + 1
                 job.last_token_ms = stamp
-            if out.finish_reason is not None:
-                job.end, job.end_ms = out, stamp
+            if out.finish_reason is not None and job.ended(out):
+                job.end, job.end_ms = job.first_end or out, stamp
                 self._urgent.set()
             dirty[out.request_id] = job
         for gap, count in gaps.items():
@@ -337,6 +370,9 @@ class EventPublisher:
     def _job_events(self, batch: EventBatch, job: ActiveJob) -> None:
         if not job.announced:
             self._announce(batch, job)
+        for k, tokens in enumerate(job.choices, start=1):
+            if tokens.token_ids:
+                self._choice_events(batch, job, k, tokens)
         if not job.token_ids:
             return
         if job.logprobs:
@@ -370,6 +406,24 @@ class EventPublisher:
         batch.add_event(job_id, job.take_id(), "started", raw, job.shard)
         batch.refresh_ttl(job_id)
 
+    def _choice_events(self, batch: EventBatch, job: ActiveJob, k: int,
+                       tokens: ChoiceTokens) -> None:
+        """A further choice's tokens: one event, or one per token with logprobs."""
+        if tokens.logprobs:
+            spans = [(tokens.index + i, [t], text, lp) for i, (t, text, lp) in enumerate(
+                zip(tokens.token_ids, tokens.texts, tokens.logprobs, strict=True))]
+        else:
+            spans = [(tokens.index, tokens.token_ids, "".join(tokens.texts), None)]
+        for index, ids, text, lp in spans:
+            event = TokenEvent(
+                id=job.next_event_id, job_id=job.job_id, index=index, choice=k, text=text,
+                token_ids=ids, logprob=lp.logprob if lp else None,
+                top_logprobs=[TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+                if lp else None)
+            batch.add_event(job.job_id, job.take_id(), "token",
+                            event.model_dump_json(exclude_none=True), job.shard)
+        tokens.token_ids, tokens.texts, tokens.logprobs = [], [], []
+
     def _logprob_events(self, batch: EventBatch, job: ActiveJob) -> None:
         """One event per token: each carries its own logprobs."""
         for i, (token, text, lp) in enumerate(zip(job.token_ids, job.texts, job.logprobs,
@@ -396,16 +450,31 @@ class EventPublisher:
             total_ms=stamp - created,
             decode_tokens_per_s=decoded / decode_s if decode_s > 0 and decoded > 0 else 0.0,
         )
-        usage = Usage(prompt_tokens=out.num_prompt_tokens,
-                      completion_tokens=out.num_output_tokens,
-                      total_tokens=out.num_prompt_tokens + out.num_output_tokens)
+        ends = [out, *(c.end for c in job.choices if c.end is not None)]
+        completion = sum(e.num_output_tokens for e in ends)
+        usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=completion,
+                      total_tokens=out.num_prompt_tokens + completion)
         reason: FinishReason = out.finish_reason or "stop"
+        calls = tool_calls_of(job.job, out.output_text, self.tool_format)
+        choices = None
+        if job.choices:
+            choices = [Choice(index=k, text=e.output_text, finish_reason=e.finish_reason or "stop",
+                              completion_tokens=e.num_output_tokens,
+                              tool_calls=tool_calls_of(job.job, e.output_text, self.tool_format)
+                              if k else calls)
+                       for k, e in enumerate(ends)]
         done = DoneEvent(id=job.next_event_id, job_id=job.job.id, finish_reason=reason,
-                         text=out.output_text, usage=usage, timings=timings)
+                         text=out.output_text, tool_calls=calls, choices=choices, usage=usage,
+                         timings=timings)
         result = {"text": out.output_text, "finish_reason": reason,
                   "usage": usage.model_dump(), "timings": timings.model_dump()}
+        if calls is not None:
+            result["tool_calls"] = [c.model_dump() for c in calls]
+        if choices is not None:
+            result["choices"] = [c.model_dump(exclude_none=True) for c in choices]
         batch.set_fields(job.job.id, {"status": "done", "result": json.dumps(result)})
-        batch.add_event(job.job.id, job.take_id(), "done", done.model_dump_json(), job.shard)
+        batch.add_event(job.job.id, job.take_id(), "done", done.model_dump_json(exclude_none=True),
+                        job.shard)
         batch.refresh_ttl(job.job.id, self.retention.final_s("done", reason))
         batch.ack(job.delivery.stream, job.delivery.message_id, job.job.id)
         m = self.metrics
@@ -415,3 +484,12 @@ class EventPublisher:
         m.prompt_tokens.inc(usage.prompt_tokens)
         m.generation_tokens.inc(usage.completion_tokens)
         m.outcome(outcome_of_finish(reason))
+
+
+def tool_calls_of(job: Job, text: str, fmt: ToolFormat | None) -> list[ToolCall] | None:
+    """The calls in a finished job's text, for a job that offered tools (None otherwise)."""
+    if fmt is None or not job.rendered_tools():
+        return None
+    _, calls = fmt.parse(text)
+    return [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls]

@@ -46,10 +46,12 @@ from redis.exceptions import RedisError
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
 from tidegate.operations.status_server import StatusServer
-from tidegate.protocol import now_ms
+from tidegate.protocol import Job, SamplingParams, now_ms
 from tidegate.redis_conn import connect
 from tidegate.retention import Retention
 from tidegate.settings import Settings
+from tidegate.structured.response_format import GrammarFormat
+from tidegate.structured.tool_calls import forced_call_grammar
 from worker.engine.engine import (
     Engine,
     EngineConfig,
@@ -58,6 +60,7 @@ from worker.engine.engine import (
     RequestOutput,
     ResumeError,
 )
+from worker.engine.grammar_masks import GrammarUnavailable
 from worker.service.arrivals import IDLE_BLOCK_MS, Arrival, ArrivalIntake
 from worker.service.cancel_listener import CancelListener
 from worker.service.cpu_tuning import keep_large_allocations
@@ -107,7 +110,8 @@ class WorkerService:
         self.publisher = EventPublisher(redis, self.worker_id, retention=retention,
                                         metrics=self.metrics,
                                         interval_s=stream_interval_s,
-                                        on_finished=self._finished, on_lost=self._lost)
+                                        on_finished=self._finished, on_lost=self._lost,
+                                        tool_format=self.tokenizer.tool_format)
         self.cancels = CancelListener(redis, self._held_job_ids)
         self._work = asyncio.Event()  # arrivals, or a stop, for an idle main loop
         self.arrivals = ArrivalIntake(
@@ -341,11 +345,17 @@ class WorkerService:
         if arrival.problem:
             publisher.fail(delivery, next_id, code="invalid_request", message=arrival.problem)
             return load
-        request = EngineRequest(job.id, arrival.prompt_ids, job.sampling, lane=job.lane,
+        try:
+            sampling = self._sampling(job)
+        except ValueError as exc:
+            publisher.fail(delivery, next_id, code="invalid_request", message=str(exc))
+            return load
+        request = EngineRequest(job.id, arrival.prompt_ids, sampling, lane=job.lane,
                                 priority=job.priority, deadline_ms=job.deadline_ms,
                                 seed=job_seed(job))
         kept: int | None = None  # a migrated job: the tokens it continues from
-        if arrival.resume is not None:
+        # A job of several choices starts over (its stored tokens interleave its choices).
+        if arrival.resume is not None and job.sampling.n == 1:
             resumed = replace(request, output_ids=arrival.resume.token_ids,
                               output_text=arrival.resume.text)
             try:
@@ -385,8 +395,23 @@ class WorkerService:
         commitments.add(tokens_left, time_left)
         self._min_deadline_ms = min(self._min_deadline_ms, job.deadline_ms)
         self._max_tokens_bound = max(self._max_tokens_bound, job.sampling.max_tokens)
-        return Load(load.batch_size + 1, load.prefill_tokens_ahead + n_prefix, load.max_num_seqs,
-                    load.seat_wait_s)
+        return Load(load.batch_size + job.sampling.n, load.prefill_tokens_ahead + n_prefix,
+                    load.max_num_seqs, load.seat_wait_s)
+
+    def _sampling(self, job: Job) -> SamplingParams:
+        """The job's sampling, a forced tool call's grammar in it where the API did not put it
+        there (the batch lane enqueues without the API's admission)."""
+        if not job.rendered_tools():
+            return job.sampling
+        fmt = self.tokenizer.tool_format
+        if fmt is None:
+            raise ValueError("tools: this model's chat template has no tool-call format")
+        if not job.forced_tools() or job.sampling.response_format is not None:
+            return job.sampling
+        grammar = forced_call_grammar(fmt, job.tools or [], job.tool_choice,
+                                      job.parallel_tool_calls)
+        return job.sampling.model_copy(
+            update={"response_format": GrammarFormat(grammar=grammar)})
 
     def _admission_load(self) -> Load:
         engine, full = self.engine, self.engine.config.max_num_seqs
@@ -450,7 +475,7 @@ def build_engine(settings: Settings) -> Engine:
              f", packed {'+'.join(packed_types)}, {loaded.activations()} activations"
              if packed_types else "")
     max_len = min(loaded.tokenizer.max_context, loaded.config.max_position_embeddings)
-    return Engine(loaded.model, loaded.tokenizer, EngineConfig(
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
         max_model_len=max_len,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
@@ -461,6 +486,11 @@ def build_engine(settings: Settings) -> Engine:
         prefix_caching=settings.prefix_caching,
         cuda_graphs=settings.cuda_graphs,
     ))
+    try:  # the grammar engine's token tables now, not on the first constrained job
+        engine.grammars.prepare()
+    except GrammarUnavailable as exc:
+        log.warning("structured outputs unavailable: %s", exc)
+    return engine
 
 
 async def serve(settings: Settings) -> int:

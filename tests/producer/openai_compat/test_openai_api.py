@@ -349,7 +349,7 @@ async def test_request_fields_map_onto_the_job(
         extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "timeout_s": 60,
                     "priority": 7})
     job = await queued_job(aredis)
-    assert [m.model_dump() for m in job.messages or []] == [
+    assert [m.model_dump(exclude_none=True) for m in job.messages or []] == [
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
     s = job.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.seed, s.stop) == (9, 1.0, 0.5, 3, ["x"])
@@ -379,8 +379,11 @@ async def test_an_unknown_model_is_404_model_not_found(
 
 @pytest.mark.parametrize(
     ("kwargs", "param", "code"),
-    [({"n": 2}, "n", "unsupported_value"),
-     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_value"),
+    [({"n": 17}, "n", "invalid_value"),
+     ({"tools": [{"type": "function", "function": {"name": "f"}}],
+       "tool_choice": {"type": "function", "function": {"name": "g"}}},
+      "tool_choice.function.name", "invalid_value"),
+     ({"functions": [{"name": "f"}]}, "functions", "unsupported_value"),
      ({"extra_body": {"colour": "blue"}}, "colour", "unknown_parameter"),
      ({"temperature": 9}, "temperature", "invalid_value"),
      ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
@@ -389,8 +392,7 @@ async def test_an_unknown_model_is_404_model_not_found(
      ({"max_completion_tokens": 5000}, "max_completion_tokens", "context_length_exceeded"),
      ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
       "messages.0.content", "invalid_value"),
-     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
-      "messages.0.role", "invalid_value"),
+     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "invalid_value"),
      ({"messages": [{"role": "user", "content": "x" * 3000}]}, "messages",
       "context_length_exceeded"),
      ({"stop": 5}, "stop", "invalid_value")],
@@ -406,7 +408,7 @@ async def test_bad_chat_params_are_400_naming_the_param(
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
-    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 2]}, "prompt"), ({"echo": True}, "echo"),
+    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 2]}, "prompt"), ({"echo": True, "logprobs": 1}, "echo"),
     ({"suffix": "x"}, "suffix"), ({"best_of": 2}, "best_of"), ({"logprobs": 21}, "logprobs"),
     ({"extra_body": {"messages": USER}}, "messages")])
 async def test_bad_completion_params_are_400_naming_the_param(

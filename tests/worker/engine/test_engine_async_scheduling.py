@@ -14,7 +14,8 @@ import pytest
 from tests.worker.engine.test_engine import chat_ids, smollm2  # noqa: F401 - fixture
 from tidegate.protocol import SamplingParams
 from worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
-from worker.engine.model_runner import ModelRunner
+from worker.engine.grammar_masks import TokenMask
+from worker.engine.model_runner import ModelRunner, StepLogits
 from worker.engine.sampler import SamplerLaunch
 from worker.engine.scheduler import SchedulerOutput
 from worker.models.loaders.loader import LoadedModel
@@ -110,16 +111,24 @@ def test_async_scheduling_gives_every_request_the_plain_engines_output(
 
 
 def order_of_steps(engine: Engine) -> list[tuple[str, int]]:
-    """Wraps the engine's runner to log ("launch", n) and ("read", n) for its n-th step."""
+    """Wraps the engine's runner to log ("launch", n) when its n-th step's forward pass is
+    queued and ("read", n) when that step's tokens are read back."""
     events: list[tuple[str, int]] = []
     steps = itertools.count()
-    launch = engine.runner.launch
+    forward, sample = engine.runner.forward, engine.runner.sample
+    numbers: dict[int, int] = {}  # id of a step's logits -> its step number
 
-    def logged(sched: SchedulerOutput, tables: list[list[int]],
-               previous: SamplerLaunch | None = None) -> SamplerLaunch:
+    def logged_forward(sched: SchedulerOutput, tables: list[list[int]],
+                       previous: SamplerLaunch | None = None) -> StepLogits:
         n = next(steps)
         events.append(("launch", n))
-        launched = launch(sched, tables, previous)
+        step = forward(sched, tables, previous)
+        numbers[id(step)] = n
+        return step
+
+    def logged_sample(step: StepLogits, mask: TokenMask | None = None) -> SamplerLaunch:
+        n = numbers.pop(id(step))
+        launched = sample(step, mask)
 
         def read() -> object:
             events.append(("read", n))
@@ -127,7 +136,8 @@ def order_of_steps(engine: Engine) -> list[tuple[str, int]]:
 
         return dataclasses.replace(launched, read=read)  # type: ignore[arg-type]
 
-    engine.runner.launch = logged  # type: ignore[method-assign]
+    engine.runner.forward = logged_forward  # type: ignore[method-assign]
+    engine.runner.sample = logged_sample  # type: ignore[method-assign]
     return events
 
 
