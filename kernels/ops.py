@@ -17,6 +17,7 @@ from kernels.dispatch import SERVE_ROWS, use_triton
 from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from kernels.linear import linear as linear_impl
+from kernels.lora import LoraStack, add_lora_ref
 from kernels.moe import moe_ref
 from kernels.native_cpu import (
     native_kernels,
@@ -36,7 +37,7 @@ from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import rotary_ref
 from kernels.token_bitmask import apply_token_bitmask_ref
 
-__all__ = ["apply_token_bitmask", "decoder_layer", "embedding", "fuses_projections", "gelu_and_mul", "linear", "moe",
+__all__ = ["add_lora", "apply_token_bitmask", "decoder_layer", "embedding", "fuses_projections", "gelu_and_mul", "linear", "moe",
            "norm_linear", "norm_project", "paged_attention", "paged_decode", "rms_norm",
            "rotary", "rotary_store_kv", "silu_and_mul", "silu_project", "store_kv"]
 
@@ -231,6 +232,17 @@ def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return gelu_and_mul_triton(x)
     return gelu_and_mul_ref(x)
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoraStack, index: torch.Tensor) -> None:
+    """Batched LoRA (``kernels.lora``), in place: each row of y [T, N] gets its own adapter's
+    ``scale * (x @ a.T) @ b.T``; index [T] names the adapter (-1: none)."""
+    if use_triton(x):
+        from kernels.lora_triton import add_lora_triton
+
+        add_lora_triton(y, x, stack, index)
+        return
+    add_lora_ref(y, x, stack, index)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
