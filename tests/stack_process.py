@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -50,6 +51,27 @@ def tidegate_up(redis_server: RedisServer, *, model: str = "smollm2",
         while (alive := [pid for pid in workers if is_alive(pid)]) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive, f"tidegate up left its worker(s) {alive} running"
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``tidegate ARGS...`` as a user runs it: its exit code and output."""
+    return subprocess.run([*TIDEGATE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def run_batch(lines: list[dict], redis_url: str, folder: Path,
+              timeout_s: float = 300) -> list[dict]:
+    """Submit ``lines`` as a JSONL batch with the CLI, wait until it completes, and return its
+    output lines (input order)."""
+    path = folder / "batch.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = cli("batch", "submit", str(path), "--redis-url", redis_url)
+    assert out.returncode == 0, out.stderr
+    batch_id = out.stdout.strip()
+    status = cli("batch", "status", batch_id, "--wait", "--json", "--redis-url", redis_url,
+                 timeout=timeout_s)
+    assert status.returncode == 0 and json.loads(status.stdout)["status"] == "completed"
+    results = cli("batch", "results", batch_id, "--redis-url", redis_url)
+    return [json.loads(x) for x in results.stdout.splitlines()]
 
 
 def children(pid: int) -> list[int]:

@@ -17,7 +17,7 @@ import websockets
 
 from producer.client import Client
 from tests.conftest import RedisServer
-from tests.stack_process import TIDEGATE, tidegate_up
+from tests.stack_process import TIDEGATE, cli, run_batch, tidegate_up
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +34,6 @@ def stack(redis_server: RedisServer) -> Iterator[str]:
 # a near tie: "The" leads "L" by 0.1 logit on float activations); asked for a sentence, "The
 # capital of France is Paris." either way.
 QUESTION = "What is the capital of France? Answer in one sentence."
-
-
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*TIDEGATE, *args], capture_output=True, text=True, timeout=timeout)
 
 
 async def test_twenty_concurrent_jobs_stream_exactly_their_results(stack: str) -> None:
@@ -202,16 +198,7 @@ def test_up_runs_batches(stack: str, redis_server: RedisServer, tmp_path) -> Non
     lines = [{"custom_id": f"q{i}", "body": {"messages": [
         {"role": "user", "content": f"What is {i} plus {i}?"}], "max_tokens": 8}}
         for i in range(12)]
-    path = tmp_path / "batch.jsonl"
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    out = cli("batch", "submit", str(path), "--redis-url", redis_server.url)
-    assert out.returncode == 0, out.stderr
-    batch_id = out.stdout.strip()
-    status = cli("batch", "status", batch_id, "--wait", "--json", "--redis-url",
-                 redis_server.url, timeout=300)
-    assert status.returncode == 0 and json.loads(status.stdout)["status"] == "completed"
-    results = cli("batch", "results", batch_id, "--redis-url", redis_server.url)
-    rows = [json.loads(x) for x in results.stdout.splitlines()]
+    rows = run_batch(lines, redis_server.url, tmp_path)
     assert [r["custom_id"] for r in rows] == [f"q{i}" for i in range(12)]
     assert all(r["error"] is None and r["response"]["body"]["text"] for r in rows)
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from producer.client import Client
 from tests.conftest import RedisServer
-from tests.stack_process import tidegate_up
+from tests.stack_process import run_batch, tidegate_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -297,16 +295,7 @@ def test_the_python_client_and_the_batch_lane_carry_the_fields(
         lines.append({"custom_id": "tool", "body": {
             "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [WEATHER],
             "tool_choice": "required", "max_tokens": 300, "temperature": 1.0, "seed": 3}})
-    path = tmp_path / "batch.jsonl"
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    submit = _cli("batch", "submit", str(path), "--redis-url", redis_server.url)
-    assert submit.returncode == 0, submit.stderr
-    batch_id = submit.stdout.strip()
-    status = _cli("batch", "status", batch_id, "--wait", "--json", "--redis-url",
-                  redis_server.url, timeout=600)
-    assert status.returncode == 0 and json.loads(status.stdout)["status"] == "completed"
-    rows = [json.loads(x) for x in _cli("batch", "results", batch_id, "--redis-url",
-                                         redis_server.url).stdout.splitlines()]
+    rows = run_batch(lines, redis_server.url, tmp_path, timeout_s=600)
     for row, line in zip(rows, lines, strict=True):
         body = row["response"]["body"]
         if row["custom_id"] == "tool":
@@ -315,7 +304,3 @@ def test_the_python_client_and_the_batch_lane_carry_the_fields(
         schema = line["body"]["response_format"]["json_schema"]["schema"]
         jsonschema.validate(json.loads(body["text"]), schema)
 
-
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tidegate", *args], capture_output=True,
-                          text=True, timeout=timeout)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,7 @@ class Tokenizer:
         """The conversation as prompt text, ending where the assistant's reply begins."""
         return self.chat_template.render(messages, add_generation_prompt=True, tools=tools)
 
-    @property
+    @cached_property
     def tool_format(self) -> ToolFormat | None:
         """How this model's chat template writes tool calls; None: it renders no tools."""
         return tool_format_of(self.chat_template.source)

@@ -20,6 +20,7 @@ from typing import Any
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
+from pydantic import TypeAdapter
 
 from tidegate.structured.response_format import (
     ChoiceFormat,
@@ -33,6 +34,7 @@ from tidegate.structured.response_format import (
 
 JSON_OPTIONS: dict[str, Any] = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_FORMAT: TypeAdapter[ResponseFormat] = TypeAdapter(ResponseFormat)
 # Keywords whose values are sub-schemas: one, a list of them, or a name -> schema mapping.
 _ONE = ("items", "additionalProperties", "not", "contains", "propertyNames", "if", "then",
         "else", "unevaluatedItems", "unevaluatedProperties")
@@ -78,9 +80,7 @@ def validation_error(grammar: str) -> str:
 
 @lru_cache(maxsize=1024)
 def _compiled(fmt_json: str) -> str:
-    from pydantic import TypeAdapter
-
-    fmt = TypeAdapter(ResponseFormat).validate_json(fmt_json)
+    fmt = _FORMAT.validate_json(fmt_json)
     if isinstance(fmt, JsonObjectFormat):
         return json_schema_grammar({"type": "object"})
     if isinstance(fmt, JsonSchemaFormat):

@@ -188,13 +188,10 @@ class Engine:
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request: ``params.n`` sequences (choices), choice k's id ``<id>#k`` inside
         the engine, its outputs under the request's id with ``choice`` k."""
-        self._check_limits(request)
+        grammar = self._check_limits(request)
         params = request.params
         seed = request.seed if request.seed is not None else params.seed
         seed = seed if seed is not None else secrets.randbits(63)
-        grammar = self._grammar(request)
-        if params.n > 1 and request.output_ids:
-            raise RequestError("a request with n > 1 cannot continue from tokens")
         first: Sequence | None = None
         ids = [request.request_id, *(choice_id(request.request_id, k) for k in range(1, params.n))]
         self._groups[request.request_id] = ids
@@ -230,7 +227,8 @@ class Engine:
         if request.output_ids:
             self._resumed_detokenizer(request)
 
-    def _check_limits(self, request: EngineRequest) -> None:
+    def _check_limits(self, request: EngineRequest) -> str | None:
+        """Raise ``RequestError`` as ``check_request`` says; the request's grammar (None: free)."""
         n, max_tokens = len(request.prompt_ids), request.params.max_tokens
         if n == 0:
             raise RequestError("prompt is empty")
@@ -246,16 +244,20 @@ class Engine:
             raise RequestError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) can never fit in this "
                 f"worker's KV cache of {self.kv_spec.num_tokens} tokens")
+        if request.params.n > 1 and request.output_ids:
+            raise RequestError("a request with n > 1 cannot continue from tokens")
         grammar = self._grammar(request)
         if grammar is not None:
             try:
                 self.grammars.check(grammar)
             except GrammarUnavailable as exc:
                 raise RequestError(f"response_format: {exc}") from exc
-            try:
-                self.grammars.check(grammar, request.output_ids)
-            except GrammarUnavailable as exc:
-                raise ResumeError(str(exc)) from exc
+            if request.output_ids:
+                try:
+                    self.grammars.check(grammar, request.output_ids)
+                except GrammarUnavailable as exc:
+                    raise ResumeError(str(exc)) from exc
+        return grammar
 
     def _grammar(self, request: EngineRequest) -> str | None:
         try:
