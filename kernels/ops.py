@@ -17,7 +17,7 @@ from kernels.dispatch import SERVE_ROWS, use_triton
 from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
 from kernels.linear import linear as linear_impl
-from kernels.lora import LoraStack, add_lora_ref
+from kernels.lora import LoraRows, LoraStack, Norm, add_lora_ref
 from kernels.moe import moe_ref
 from kernels.native_cpu import (
     native_kernels,
@@ -37,9 +37,10 @@ from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import rotary_ref
 from kernels.token_bitmask import apply_token_bitmask_ref
 
-__all__ = ["add_lora", "apply_token_bitmask", "decoder_layer", "embedding", "fuses_projections", "gelu_and_mul", "linear", "moe",
-           "norm_linear", "norm_project", "paged_attention", "paged_decode", "rms_norm",
-           "rotary", "rotary_store_kv", "silu_and_mul", "silu_project", "store_kv"]
+__all__ = ["add_lora", "apply_token_bitmask", "decoder_layer", "embedding", "fuses_projections",
+           "gelu_and_mul", "linear", "lora_rows", "moe", "norm_linear", "norm_project",
+           "paged_attention", "paged_decode", "rms_norm", "rotary",
+           "rotary_store_kv", "silu_and_mul", "silu_project", "store_kv"]
 
 _layer_call: LayerCall | None = None
 
@@ -234,15 +235,34 @@ def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return gelu_and_mul_ref(x)
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoraStack, index: torch.Tensor) -> None:
+def lora_rows(index: torch.Tensor, num_adapters: int) -> LoraRows:
+    """The step's ``LoraRows`` for index [T] (values in [NO_ADAPTER, num_adapters), unchecked:
+    checking would read back to the host). Where Triton serves (``kernels.dispatch``: CUDA,
+    or ``TIDEGATE_KERNELS=triton``) the rows are also sorted by adapter on the device, once,
+    with nothing read back, so a decode step with adapters can be captured in a CUDA graph."""
+    if index.dim() != 1 or index.dtype.is_floating_point:
+        raise ValueError(f"index {tuple(index.shape)} {index.dtype} must be [T] integers")
+    if num_adapters < 1:
+        raise ValueError(f"num_adapters {num_adapters} must be at least 1")
+    if not use_triton(index):
+        return LoraRows(index, num_adapters)
+    from kernels.lora_triton import lora_layout
+
+    return LoraRows(index, num_adapters, lora_layout(index, num_adapters))
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoraStack, rows: LoraRows,
+             norm: Norm | None = None) -> None:
     """Batched LoRA (``kernels.lora``), in place: each row of y [T, N] gets its own adapter's
-    ``scale * (x @ a.T) @ b.T``; index [T] names the adapter (-1: none)."""
+    ``scale * (u @ a.T) @ b.T``, segment by segment, u = x [T, K] or, with ``norm`` = (gain,
+    eps), RMSNorm(x) computed on the way. ``rows``: the step's adapters, from ``lora_rows``
+    (once per step, shared by every projection)."""
     if use_triton(x):
         from kernels.lora_triton import add_lora_triton
 
-        add_lora_triton(y, x, stack, index)
+        add_lora_triton(y, x, stack, rows, norm)
         return
-    add_lora_ref(y, x, stack, index)
+    add_lora_ref(y, x, stack, rows, norm)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
