@@ -35,6 +35,7 @@ class Block:
 class _Table:
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # of the leading full, committed blocks
+    salt: bytes | None = None  # what the first block's hash starts from (``cached_prefix``)
 
 
 @dataclass(slots=True)
@@ -79,16 +80,17 @@ class BlockManager:
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables[seq_id].blocks
 
-    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def cached_prefix(self, token_ids: Sequence[int], salt: bytes | None = None) -> list[int]:
         """Ids of the computed blocks that match the start of ``token_ids``.
 
         Only blocks lying wholly before the last token count: that token is always computed,
-        since its logits pick the next one.
+        since its logits pick the next one. ``salt`` separates caches of the same tokens
+        computed differently (a LoRA adapter's): the first block's hash starts from it.
         """
         if not self.prefix_caching:
             return []
         hits: list[int] = []
-        parent: bytes | None = None
+        parent: bytes | None = salt
         for i in range((len(token_ids) - 1) // self.block_size):
             parent = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
             block_id = self._by_hash.get(parent)
@@ -99,20 +101,22 @@ class BlockManager:
 
     # ------------------------------------------------------------------ check, then act
 
-    def can_allocate(self, token_ids: Sequence[int], num_tokens: int) -> bool:
+    def can_allocate(self, token_ids: Sequence[int], num_tokens: int,
+                     salt: bytes | None = None) -> bool:
         """Whether a new request can get blocks for its first ``num_tokens`` tokens."""
-        hits = self.cached_prefix(token_ids)
+        hits = self.cached_prefix(token_ids, salt)
         needed = self.blocks_for(num_tokens) - len(hits)
         # Taking an evictable hit removes it from the pool the new blocks come from.
         reusable_hits = sum(1 for b in hits if b in self._evictable)
         return needed <= self.num_free_blocks - reusable_hits
 
-    def allocate(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> int:
+    def allocate(self, seq_id: str, token_ids: Sequence[int], num_tokens: int,
+                 salt: bytes | None = None) -> int:
         """Give a new request its block table; returns how many tokens are already computed."""
         if seq_id in self._tables:
             raise ValueError(f"{seq_id} already has blocks")
-        hits = self.cached_prefix(token_ids)
-        table = _Table()
+        hits = self.cached_prefix(token_ids, salt)
+        table = _Table(salt=salt)
         for block_id in hits:
             self._take(block_id)
             table.blocks.append(block_id)
@@ -143,7 +147,7 @@ class BlockManager:
             return
         table = self._tables[seq_id]
         for i in range(len(table.hashes), num_computed // self.block_size):
-            parent = table.hashes[-1] if table.hashes else None
+            parent = table.hashes[-1] if table.hashes else table.salt
             h = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
             table.hashes.append(h)
             block = self.blocks[table.blocks[i]]

@@ -11,6 +11,10 @@ A batch pads up to the next captured size. Padding rows hold token 0 at position
 (the KV store skips it) and a context of one token read from block 0: finite values whose
 outputs are never read. Attention takes its split count per captured size from the longest
 context the engine allows, since the graph cannot depend on this step's lengths.
+
+With LoRA slots, each size is captured a second time with adapters: each row's slot is one
+more static buffer (padding rows: no adapter), and the rows' sorted layout is computed inside
+the graph. Steps without adapters replay the first graph, which runs the base model alone.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from kernels import ops
+from kernels.lora import NO_ADAPTER
+from kernels.ops import lora_rows
 from kernels.paged_attention import padded_tables
 from kernels.paged_attention_triton import default_num_splits
 from worker.models.decoder import DecoderModel, LayerAttention
+from worker.models.lora_weights import LoraBatch, LoraWeights
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -70,7 +77,8 @@ class CudaGraphDecoder:
     """Captures decode steps for ``capture_sizes(max_batch)`` and runs batches through them."""
 
     def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, *, block_size: int,
-                 max_batch: int, max_model_len: int, scale: float) -> None:
+                 max_batch: int, max_model_len: int, scale: float,
+                 lora: LoraWeights | None = None) -> None:
         device = kv_cache.device
         if device.type != "cuda":
             raise ValueError("CUDA graphs need the model and KV cache on a CUDA device")
@@ -84,33 +92,41 @@ class CudaGraphDecoder:
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_batch, self.width, dtype=torch.int32, device=device)
+        self.adapters = torch.full((max_batch,), NO_ADAPTER, dtype=torch.long, device=device)
         # Pinned staging: the step's inputs go up in one asynchronous copy per buffer.
         self._host = {
             name: torch.zeros_like(buf, device="cpu").pin_memory()
             for name, buf in self._buffers().items()
         }
-        self._graphs: dict[int, _Captured] = {}
+        self._graphs: dict[tuple[int, bool], _Captured] = {}
         pool = None
         num_kv_heads = model.cfg.num_kv_heads
+        variants = (False, True) if lora is not None else (False,)
         with torch.inference_mode():
             for b in sorted(self.sizes, reverse=True):  # largest first: later ones reuse its pool
                 attn = GraphDecodeAttention(
                     kv_cache, self.block_tables[:b], self.seq_lens[:b], self.slot_mapping[:b],
                     scale, default_num_splits(max_model_len, b, num_kv_heads))
+                for with_lora in variants:
 
-                def step(b: int = b, attn: GraphDecodeAttention = attn) -> torch.Tensor:
-                    return model(self.input_ids[:b], self.positions[:b], attn)
+                    def step(b: int = b, attn: GraphDecodeAttention = attn,
+                             with_lora: bool = with_lora) -> torch.Tensor:
+                        batch = None
+                        if with_lora:
+                            assert lora is not None
+                            batch = LoraBatch(lora, lora_rows(self.adapters[:b], lora.num_slots))
+                        return model(self.input_ids[:b], self.positions[:b], attn, batch)
 
-                stream = torch.cuda.Stream(device)
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    step()  # compiles the Triton kernels and warms cuBLAS outside the capture
-                torch.cuda.current_stream(device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    hidden = step()
-                pool = graph.pool()
-                self._graphs[b] = _Captured(graph, hidden)
+                    stream = torch.cuda.Stream(device)
+                    stream.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(stream):
+                        step()  # compiles the Triton kernels, warms cuBLAS outside the capture
+                    torch.cuda.current_stream(device).wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        hidden = step()
+                    pool = graph.pool()
+                    self._graphs[(b, with_lora)] = _Captured(graph, hidden)
         torch.cuda.synchronize(device)
         # Marks the end of the last run's copies out of the pinned staging buffers.
         self._staged = torch.cuda.Event()
@@ -119,7 +135,7 @@ class CudaGraphDecoder:
     def _buffers(self) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids, "positions": self.positions,
                 "slot_mapping": self.slot_mapping, "seq_lens": self.seq_lens,
-                "block_tables": self.block_tables}
+                "block_tables": self.block_tables, "adapters": self.adapters}
 
     def padded_size(self, batch: int) -> int | None:
         """The captured size a batch runs at, or None if it is larger than any."""
@@ -127,10 +143,12 @@ class CudaGraphDecoder:
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int],
             block_tables: list[list[int]],
-            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+            fill: Callable[[torch.Tensor], None] | None = None,
+            adapters: list[int] | None = None) -> torch.Tensor:
         """One decode token per sequence -> final hidden states [B, hidden] (a view of a static
         buffer, valid until the next run). ``fill``, if given, writes into the step's input ids
-        on the device (tokens the host does not know yet) before the replay."""
+        on the device (tokens the host does not know yet) before the replay. ``adapters``:
+        each sequence's LoRA slot (``NO_ADAPTER``: none), or None when no sequence has one."""
         n = len(input_ids)
         b = self.padded_size(n)
         if b is None or n == 0:
@@ -144,6 +162,12 @@ class CudaGraphDecoder:
         host["positions"][:n] = torch.tensor(positions)
         host["slot_mapping"][:n] = torch.tensor(slots)
         host["seq_lens"][:n] = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
+        with_lora = adapters is not None
+        if with_lora:
+            if (b, True) not in self._graphs:
+                raise ValueError("these graphs were captured without LoRA slots")
+            host["adapters"][:n] = torch.tensor(adapters)
+            host["adapters"][n:b] = NO_ADAPTER
         tables = host["block_tables"]
         padded = padded_tables(block_tables)
         w = padded.shape[1]
@@ -157,10 +181,11 @@ class CudaGraphDecoder:
         host["seq_lens"][n:b] = 1
         tables[n:b] = 0
         for name, buf in self._buffers().items():
-            buf[:b].copy_(host[name][:b], non_blocking=True)
+            if name != "adapters" or with_lora:
+                buf[:b].copy_(host[name][:b], non_blocking=True)
         self._staged.record(torch.cuda.current_stream(self.input_ids.device))
         if fill is not None:
             fill(self.input_ids[:n])
-        captured = self._graphs[b]
+        captured = self._graphs[(b, with_lora)]
         captured.graph.replay()
         return captured.hidden[:n]

@@ -6,6 +6,8 @@ forward pass over the paged KV cache, and the engine turns sampled tokens into o
 released incrementally, stopped by EOS, stop token ids, stop strings or max_tokens.
 A request with a ``response_format`` samples under its grammar's token mask, computed on the
 host while the device runs the step's forward pass, and ends once its grammar is complete.
+A request may name a LoRA adapter registered with ``add_adapter``: requests of different
+adapters and of the base model share steps (``worker.engine.lora_manager``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.lora import MAX_RANK
 from tidegate.model_files.tokenizer import Tokenizer
 from tidegate.protocol import FinishReason, SamplingParams
 from tidegate.structured.grammar import GrammarError, grammar_of
@@ -30,11 +33,13 @@ from worker.engine.kv_cache import (
     kv_cache_torch_dtype,
     plan_kv_cache,
 )
+from worker.engine.lora_manager import AdapterError, LoraManager
 from worker.engine.model_runner import ModelRunner, StepLogits
 from worker.engine.sampler import SamplerLaunch, TokenLogprobs, is_penalised
 from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.engine.sequence import SeqStatus, Sequence
 from worker.models.decoder import DecoderModel
+from worker.models.lora_weights import LoraWeights
 
 log = logging.getLogger("tidegate.engine")
 
@@ -81,8 +86,16 @@ class EngineConfig:
     # tokens, commit and schedule. Steps that cannot (a penalised request needs its generated
     # ids on the host) fall back to reading first. None: on exactly when async_output is.
     async_scheduling: bool | None = None
+    # LoRA adapters resident on the device at once (0: adapters off) and the largest rank
+    # served; their slots take memory beside the weights before the KV cache is planned.
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
+        if self.max_loras < 0:
+            raise ValueError("max_loras must not be negative")
+        if not 1 <= self.max_lora_rank <= MAX_RANK:
+            raise ValueError(f"max_lora_rank must be 1 to {MAX_RANK}")
         if self.async_scheduling and self.async_output is False:
             raise ValueError("async_scheduling needs async_output")
         if self.max_model_len < 2:
@@ -111,6 +124,7 @@ class EngineRequest:
     # The request's RNG seed when its params have none (a migrated job must draw the same
     # stream); None: params.seed, else a random one.
     seed: int | None = None
+    adapter: str | None = None  # a LoRA adapter registered with ``Engine.add_adapter``
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +164,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         param = next(model.parameters())
+        # Before the KV cache is planned: the cache takes what memory is left.
+        self.lora = (LoraManager(LoraWeights(model.cfg, config.max_loras, config.max_lora_rank,
+                                             param.dtype, param.device))
+                     if config.max_loras else None)
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, param.dtype, param.device)
         self.kv_spec: KVCacheSpec = plan_kv_cache(
             model.cfg, kv_dtype, param.device, block_size=config.block_size,
@@ -160,10 +178,12 @@ class Engine:
         self.blocks = BlockManager(self.kv_spec.num_blocks, config.block_size,
                                    prefix_caching=config.prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks)
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            config.max_loras), self.blocks)
         self.runner = ModelRunner(
             model, self.kv_spec, kv_dtype=kv_dtype, max_model_len=config.max_model_len,
-            cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0)
+            cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0,
+            lora=self.lora)
         self.stats = EngineStats()
         self.async_output = (config.async_output if config.async_output is not None
                              else param.device.type == "cuda")
@@ -214,11 +234,26 @@ class Engine:
                 group_id=request.request_id,
                 choice=k,
                 waits_for=first if self.config.prefix_caching else None,
+                adapter=request.adapter,
             )
             first = first or seq
             if grammar is not None:
                 self.grammars.add(rid, grammar, request.output_ids)
             self.scheduler.add(seq)
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Register the LoRA adapter in the PEFT directory ``path`` as ``name`` (thread-safe:
+        callable while another thread steps). A no-op if it is registered from that path
+        already; ``AdapterError`` if it cannot be (unreadable, unsupported, not this model's,
+        or adapters are off)."""
+        if self.lora is None:
+            raise AdapterError(f"adapter {name!r}: LoRA adapters are off on this worker "
+                               "(max_loras is 0)")
+        self.lora.add(name, path)
+
+    def adapter_names(self) -> list[str]:
+        """The registered adapters, by name."""
+        return [] if self.lora is None else self.lora.names()
 
     def check_request(self, request: EngineRequest) -> None:
         """Raise ``RequestError`` for a request that could never run here (``ResumeError``
@@ -246,6 +281,8 @@ class Engine:
                 f"worker's KV cache of {self.kv_spec.num_tokens} tokens")
         if request.params.n > 1 and request.output_ids:
             raise RequestError("a request with n > 1 cannot continue from tokens")
+        if request.adapter is not None and (self.lora is None or request.adapter not in self.lora):
+            raise RequestError(f"adapter {request.adapter!r} is not loaded on this worker")
         grammar = self._grammar(request)
         if grammar is not None:
             try:

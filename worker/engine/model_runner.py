@@ -3,7 +3,10 @@
 The step's tokens from every scheduled chunk go through one forward pass as a flat batch:
 token ids, positions, slot mapping (where each token's key and value are stored), block tables,
 context lengths and query start offsets. Attention, the KV store and the other operations go
-through ``kernels.ops``; only the chunks that reach their sequence's end are sampled.
+through ``kernels.ops``; only the chunks that reach their sequence's end are sampled. A step
+whose requests use LoRA adapters gets their slots from the ``LoraManager`` (copying in those
+not resident) and hands the model each row's slot; a step without any runs the base model
+alone, as if LoRA were off.
 """
 
 from __future__ import annotations
@@ -14,14 +17,18 @@ from dataclasses import dataclass
 import torch
 
 from kernels import ops
+from kernels.lora import NO_ADAPTER
 from kernels.native_cpu import native_kernels
+from kernels.ops import lora_rows
 from kernels.paged_attention import PagedAttentionMetadata, PagedLayer, upload
 from worker.engine.grammar_masks import TokenMask
 from worker.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from worker.engine.lora_manager import LoraManager
 from worker.engine.sampler import Sampler, SamplerLaunch, SamplerOutput
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 from worker.engine.sequence import Sequence
 from worker.models.decoder import DecoderModel, LayerAttention
+from worker.models.lora_weights import LoraBatch
 
 
 def slot_of(table: list[int], position: int, block_size: int) -> int:
@@ -73,11 +80,14 @@ class ModelInput:
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, spec: KVCacheSpec, *, max_model_len: int | None = None,
-                 cuda_graph_max_batch: int = 0, kv_dtype: torch.dtype | None = None) -> None:
+                 cuda_graph_max_batch: int = 0, kv_dtype: torch.dtype | None = None,
+                 lora: LoraManager | None = None) -> None:
         """``cuda_graph_max_batch`` > 0 (CUDA only): capture decode steps of up to that many
-        sequences, each context up to ``max_model_len`` tokens, in CUDA graphs. ``kv_dtype``:
-        the cache's element type (default the model's)."""
+        sequences, each context up to ``max_model_len`` tokens, in CUDA graphs (with
+        ``lora``, each size twice: without adapters and with). ``kv_dtype``: the cache's
+        element type (default the model's)."""
         self.model = model
+        self.lora = lora
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = spec.block_size
@@ -94,7 +104,7 @@ class ModelRunner:
             self.graphs = CudaGraphDecoder(
                 model, self.kv_cache, block_size=self.block_size, max_batch=cuda_graph_max_batch,
                 max_model_len=max_model_len or model.cfg.max_position_embeddings,
-                scale=self.scale)
+                scale=self.scale, lora=None if lora is None else lora.weights)
 
     def run(self, sched: SchedulerOutput, block_tables: list[list[int]],
             mask: TokenMask | None = None) -> SamplerOutput:
@@ -117,20 +127,40 @@ class ModelRunner:
         so grammar masks can be computed on the host meanwhile."""
         rows = [c.seq for c in sched.chunks if c.samples]
         fill = self._pending_inputs(sched, previous)
+        adapters = self._adapter_slots(sched)
         if self.graphs is not None and self._graph_step(sched):
             positions = [c.start for c in sched.chunks]
             bs = self.block_size
             hidden = self.graphs.run(
                 [_first_input(c) for c in sched.chunks], positions,
                 [slot_of(t, p, bs) for t, p in zip(block_tables, positions, strict=True)],
-                block_tables, fill=fill)
+                block_tables, fill=fill, adapters=adapters)
             return StepLogits(self.model.compute_logits(hidden), rows)
         inp = self.prepare(sched, block_tables)
         if fill is not None:
             fill(inp.input_ids)
+        lora = None
+        if adapters is not None:
+            assert self.lora is not None
+            index = [slot for c, slot in zip(sched.chunks, adapters, strict=True)
+                     for _ in range(c.num_tokens)]
+            lora = LoraBatch(self.lora.weights, lora_rows(
+                upload(index, torch.long, self.device), self.lora.num_slots))
         hidden = self.model(inp.input_ids, inp.positions,
-                            PagedAttention(self.kv_cache, inp.meta, self.scale))
+                            PagedAttention(self.kv_cache, inp.meta, self.scale), lora)
         return StepLogits(self.model.compute_logits(hidden[inp.sample_rows]), rows)
+
+    def _adapter_slots(self, sched: SchedulerOutput) -> list[int] | None:
+        """Each chunk's adapter slot (``NO_ADAPTER`` for the base model), its adapters made
+        resident; None when no chunk has an adapter."""
+        if self.lora is None:
+            return None
+        names = [c.seq.adapter for c in sched.chunks if c.seq.adapter is not None]
+        if not names:
+            return None
+        slots = self.lora.slots_for(names)
+        return [NO_ADAPTER if c.seq.adapter is None else slots[c.seq.adapter]
+                for c in sched.chunks]
 
     def sample(self, step: StepLogits, mask: TokenMask | None = None) -> SamplerLaunch:
         """Queue the sampling of a forward pass's logits, ``mask`` applied first."""

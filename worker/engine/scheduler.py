@@ -6,12 +6,16 @@ rest of the budget goes to prompt chunks (chunked prefill: a long prompt is spli
 first of running requests, then of waiting ones in order of lane (interactive first), priority,
 earliest deadline, arrival. When the cache runs out of blocks, the running request that comes
 last in that order is preempted: its blocks are freed and it is recomputed later, never failed.
-Plain Python: no torch.
+Requests with LoRA adapters run only while their adapters fit the device's slots: at most
+``max_adapters`` distinct adapters among the running requests. A waiting request whose adapter
+does not fit lets requests of the base model pass, but not those of other adapters, so the
+running adapters drain and it gets its slot. Plain Python: no torch.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass, field
 
 from worker.engine.block_manager import BlockManager
@@ -22,10 +26,13 @@ from worker.engine.sequence import SeqStatus, Sequence
 class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    max_adapters: int = 0  # distinct LoRA adapters among running requests (the device's slots)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if self.max_adapters < 0:
+            raise ValueError("max_adapters must not be negative")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs, "
                              "so every running request can decode in every step")
@@ -83,6 +90,7 @@ class Scheduler:
         # Prompt tokens looked up in the prefix cache on admission, and those found there.
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.adapters: Counter[str] = Counter()  # running requests per adapter
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -94,7 +102,7 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         """Take a request out (finished or aborted), releasing its blocks."""
         if seq in self.running:
-            self.running.remove(seq)
+            self._leave(seq)
             self.blocks.free(seq.request_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
@@ -150,26 +158,46 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         i = 0
+        adapters_closed = False  # an earlier request's adapter found no slot
         while (i < len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[i]
             if seq.blocked:  # a sibling computes the shared prompt first: let others pass
                 i += 1
                 continue
+            if seq.adapter is not None and (adapters_closed or not self._adapter_fits(seq)):
+                adapters_closed = True
+                i += 1
+                continue
             ids = seq.all_ids()  # a preempted request recomputes its generated tokens too
-            cached = len(self.blocks.cached_prefix(ids)) * self.blocks.block_size
+            salt = seq.cache_salt
+            cached = len(self.blocks.cached_prefix(ids, salt)) * self.blocks.block_size
             n = min(len(ids) - cached, budget)
-            if not self.blocks.can_allocate(ids, cached + n):
+            if not self.blocks.can_allocate(ids, cached + n, salt):
                 break
             self.waiting.pop(i)
             self.prefix_query_tokens += len(ids)
             self.prefix_hit_tokens += cached
-            seq.num_computed = self.blocks.allocate(seq.request_id, ids, cached + n)
+            seq.num_computed = self.blocks.allocate(seq.request_id, ids, cached + n, salt)
             seq.num_cached_prompt = seq.num_computed
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            if seq.adapter is not None:
+                self.adapters[seq.adapter] += 1
             out.add(ScheduledChunk.of(seq, n))
             budget -= n
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s adapter can run beside the running requests' adapters."""
+        return seq.adapter in self.adapters or len(self.adapters) < self.config.max_adapters
+
+    def _leave(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the running requests (it finished, or is preempted)."""
+        self.running.remove(seq)
+        if seq.adapter is not None:
+            self.adapters[seq.adapter] -= 1
+            if not self.adapters[seq.adapter]:
+                del self.adapters[seq.adapter]
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Preempt from the back of the order until ``seq`` fits; False if it went itself."""
@@ -182,7 +210,7 @@ class Scheduler:
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         out.drop(victim)
-        self.running.remove(victim)
+        self._leave(victim)
         self.blocks.free(victim.request_id)
         victim.num_computed = 0
         victim.num_preemptions += 1

@@ -48,6 +48,7 @@ class Sequence:
     group_id: str = ""
     choice: int = 0
     waits_for: Sequence | None = None
+    adapter: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id
@@ -78,6 +79,12 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def cache_salt(self) -> bytes | None:
+        """What its prefix-cache hashes start from: keys and values computed with an adapter
+        are that adapter's (every projection's output differs), never the base model's."""
+        return None if self.adapter is None else b"lora\0" + self.adapter.encode()
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

@@ -9,6 +9,10 @@ experts); its file in ``families/`` reads its config and names its tensors (``Te
 A layer with none of those features (Llama's, Mistral's without a window) keeps the fused fast
 paths: few rows on a GPU fold each norm into the projection after it and each residual add
 into the one before; the CPU's 8-bit path runs the whole layer in one native call.
+
+A step with LoRA adapters (``LoraBatch``) adds each row's adapter to every projection's output
+(``kernels.ops.add_lora``): the normed inputs of q/k/v and gate/up, which the fused paths never
+write out, are normed inside the adapter's shrink, and SiLU runs after gate/up's adapter.
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ from kernels import ops
 from kernels.decoder_layer import DecoderWeights
 from kernels.fp8_weight import Fp8Weight
 from kernels.int_weight import IntWeight
+from kernels.lora import LoraRows
 from kernels.packed_weight import PackedWeight
 from kernels.paged_attention import PagedLayer
 from kernels.rotary import cos_sin_cache
 from worker.models.config import ModelConfig
+from worker.models.lora_weights import LayerLora, LoraBatch
 from worker.models.packed_modules import PackedEmbedding, PackedLinear, PackedMatrix
 
 
@@ -146,6 +152,7 @@ class DecoderLayer(nn.Module):
         rope_cache: torch.Tensor,
         attn: AttentionBackend,
         layer: int,
+        lora: tuple[LayerLora, LoraRows] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden, residual) -> (hidden, residual); the residual stream is their sum.
 
@@ -158,30 +165,49 @@ class DecoderLayer(nn.Module):
         e4m3)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        if self.plain:
+        if self.plain and lora is None:
             paged = attn.paged_layer(layer)
             if paged is not None and (done := ops.decoder_layer(
                     hidden, residual, self.weights(), positions, rope_cache, paged)) is not None:
                 return done
+        stacks, rows = lora if lora is not None else (None, None)
         if residual is None and not cfg.sandwich_norms and ops.fuses_projections(hidden):
             qkv = ops.norm_linear(hidden, self.input_norm, eps, self.qkv_proj.weight)
+            if stacks is not None:
+                ops.add_lora(qkv, hidden, stacks.qkv, rows, norm=(self.input_norm, eps))
             out = self._attention(self._bias(qkv, self.qkv_proj), positions, rope_cache, attn,
                                   layer)
-            hidden = self._bias(ops.linear(out, self.o_proj.weight, add=hidden), self.o_proj)
+            stream = self._bias(ops.linear(out, self.o_proj.weight, add=hidden), self.o_proj)
+            if stacks is not None:
+                ops.add_lora(stream, out, stacks.o, rows)
             if self.experts is not None:
-                x = ops.rms_norm(hidden, self.post_attn_norm, eps)[0]
-                return hidden + self.experts(x), None
+                x = ops.rms_norm(stream, self.post_attn_norm, eps)[0]
+                return stream + self.experts(x), None
             silu = cfg.hidden_act == "silu"
-            act = ops.norm_linear(hidden, self.post_attn_norm, eps, self.gate_up_proj.weight,
-                                  silu=silu)
-            if not silu:
-                act = ops.gelu_and_mul(act)
-            return ops.linear(act, self.down_proj.weight, add=hidden), None
+            if stacks is None or stacks.gate_up is None:
+                act = ops.norm_linear(stream, self.post_attn_norm, eps,
+                                      self.gate_up_proj.weight, silu=silu)
+                if not silu:
+                    act = ops.gelu_and_mul(act)
+            else:  # the adapter adds to gate and up before the activation
+                gate_up = ops.norm_linear(stream, self.post_attn_norm, eps,
+                                          self.gate_up_proj.weight)
+                ops.add_lora(gate_up, stream, stacks.gate_up, rows,
+                             norm=(self.post_attn_norm, eps))
+                act = ops.silu_and_mul(gate_up) if silu else ops.gelu_and_mul(gate_up)
+            hidden = ops.linear(act, self.down_proj.weight, add=stream)
+            if stacks is not None and stacks.down is not None:
+                ops.add_lora(hidden, act, stacks.down, rows)
+            return hidden, None
         qkv, residual = ops.norm_project(hidden, self.input_norm, eps, residual,
                                          self.qkv_proj.weight)
+        if stacks is not None:
+            ops.add_lora(qkv, residual, stacks.qkv, rows, norm=(self.input_norm, eps))
         out = self._attention(self._bias(qkv, self.qkv_proj), positions, rope_cache, attn,
                               layer)
         hidden = self._bias(ops.linear(out, self.o_proj.weight), self.o_proj)
+        if stacks is not None:
+            ops.add_lora(hidden, out, stacks.o, rows)
         if self.attn_out_norm is not None:
             hidden = ops.rms_norm(hidden, self.attn_out_norm, eps)[0]
         if self.experts is not None:
@@ -190,8 +216,17 @@ class DecoderLayer(nn.Module):
         else:
             gate_up, residual = ops.norm_project(hidden, self.post_attn_norm, eps, residual,
                                                  self.gate_up_proj.weight)
-            out = (ops.silu_project(gate_up, self.down_proj.weight) if cfg.hidden_act == "silu"
-                   else ops.linear(ops.gelu_and_mul(gate_up), self.down_proj.weight))
+            if stacks is not None and stacks.gate_up is not None and stacks.down is not None:
+                ops.add_lora(gate_up, residual, stacks.gate_up, rows,
+                             norm=(self.post_attn_norm, eps))
+                act = (ops.silu_and_mul(gate_up) if cfg.hidden_act == "silu"
+                       else ops.gelu_and_mul(gate_up))
+                out = ops.linear(act, self.down_proj.weight)
+                ops.add_lora(out, act, stacks.down, rows)
+            else:
+                out = (ops.silu_project(gate_up, self.down_proj.weight)
+                       if cfg.hidden_act == "silu"
+                       else ops.linear(ops.gelu_and_mul(gate_up), self.down_proj.weight))
         if self.mlp_out_norm is not None:
             out = ops.rms_norm(out, self.mlp_out_norm, eps)[0]
         return out, residual
@@ -247,16 +282,19 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, H]."""
+        """input_ids, positions: [T] -> final hidden states [T, H]; ``lora``: each row's
+        adapter, where the step has any."""
         hidden = self.embed_tokens(input_ids)
         if self.cfg.embed_scale is not None:
             # In the hidden dtype, as the reference rounds it (sqrt(2304) is not exact in bf16).
             hidden = hidden * torch.tensor(self.cfg.embed_scale, dtype=hidden.dtype)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, positions, self.rope_for(i), attn, i)
+            hidden, residual = layer(hidden, residual, positions, self.rope_for(i), attn, i,
+                                     None if lora is None else lora.layer(i))
         return ops.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)[0]
 
     @torch.inference_mode()

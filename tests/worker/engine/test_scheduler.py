@@ -22,11 +22,12 @@ _arrivals = iter(range(10**9))
 
 
 def seq(rid: str, n_prompt: int, *, lane: str = "interactive", deadline: int | None = None,
-        priority: int = 0, start: int = 0) -> Sequence:
+        priority: int = 0, start: int = 0, adapter: str | None = None) -> Sequence:
     return Sequence(
         request_id=rid, prompt_ids=list(range(start, start + n_prompt)),
         params=SamplingParams(), detokenizer=IncrementalDetokenizer(ByteDecoder()), seed=0,
         arrival=next(_arrivals), lane=lane, priority=priority, deadline_ms=deadline,
+        adapter=adapter,
     )
 
 
@@ -212,3 +213,44 @@ def test_a_request_holding_its_last_token_is_not_scheduled_again() -> None:
     # a's pending token ends it once read: no chunk, no block for a position beyond its limit.
     assert shape(s.schedule()) == [("b", 3, 1)]
     assert len(s.blocks.block_table("a")) == 1
+
+
+def test_running_adapters_stay_within_the_slots_and_a_refused_one_closes_the_door() -> None:
+    s = make(max_num_seqs=8, max_num_batched_tokens=64, max_adapters=2)
+    for rid, adapter in [("a1", "a"), ("b1", "b"), ("c1", "c"), ("base", None), ("a2", "a"),
+                         ("d1", "d")]:
+        s.add(seq(rid, 4, adapter=adapter))
+    out = step(s)
+    # c1 finds no slot: base may pass it, but a2 (a resident adapter) may not, so a and b drain.
+    assert [c.seq.request_id for c in out.chunks] == ["a1", "b1", "base"]
+    assert dict(s.adapters) == {"a": 1, "b": 1}
+    for victim in [x for x in s.running if x.request_id in ("a1", "b1")]:
+        s.remove(victim)
+    assert not s.adapters
+    out = step(s)
+    assert [c.seq.request_id for c in out.chunks if c.num_tokens > 1] == ["c1", "a2"]
+    assert dict(s.adapters) == {"c": 1, "a": 1}
+
+
+def test_a_preempted_request_gives_back_its_adapter() -> None:
+    s = make(num_blocks=3, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+             max_adapters=1)
+    s.add(seq("a", 4, adapter="x", deadline=1))
+    s.add(seq("b", 4, adapter="x", deadline=2))
+    step(s)
+    assert s.adapters["x"] == 2
+    for _ in range(6):  # both grow until one is preempted
+        step(s)
+    assert s.num_preemptions >= 1
+    assert s.adapters["x"] == len(s.running)
+
+
+def test_the_prefix_cache_keeps_each_adapter_apart() -> None:
+    s = make(max_num_seqs=4, max_num_batched_tokens=64, max_adapters=2)
+    s.add(seq("base", 13))
+    step(s)
+    for rid, adapter in [("same", None), ("lora", "x")]:
+        s.add(seq(rid, 13, adapter=adapter))
+    out = step(s)
+    computed = {c.seq.request_id: c.num_tokens for c in out.chunks if c.seq.request_id != "base"}
+    assert computed == {"same": 1, "lora": 13}  # the base's 3 full blocks serve only the base

@@ -74,7 +74,7 @@ def test_rows_of_two_adapters_and_none_get_their_own_merged_output(tmp_path: Pat
     x = torch.randn(5, 32, generator=torch.Generator().manual_seed(3))
     index = torch.tensor([0, 1, -1, 1, 0])
     y = x @ q.T
-    ops.add_lora(y, x, stack, index)
+    ops.add_lora(y, x, stack, ops.lora_rows(index, stack.num_adapters))
     wants = {0: merged_a.model.layers[1].self_attn.q_proj.weight,
              1: merged_b.model.layers[1].self_attn.q_proj.weight, -1: q}
     for t, i in enumerate(index.tolist()):
