@@ -280,8 +280,8 @@ def server_side(stack: ChaosStack, outcomes: list[JobOutcome]) -> dict:
     at the first final event; a second one, or anything after it, shows only here)."""
     r = redis.Redis(port=stack.redis_port, decode_responses=True)
     try:
-        pending = sum(r.xpending(keys.lane_stream(lane), keys.CONSUMER_GROUP)["pending"]
-                      for lane in keys.LANES if r.exists(keys.lane_stream(lane)))
+        pending = sum(r.xpending(stream, keys.CONSUMER_GROUP)["pending"]
+                      for stream in r.scan_iter(match=keys.LANE_STREAM_PATTERN))
         dead = sum(r.xlen(keys.dead_letter_stream(lane)) for lane in keys.LANES)
         replays = {}
         for o in outcomes:

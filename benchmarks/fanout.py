@@ -281,7 +281,7 @@ async def _run(n: int, jobs_n: int, delivered: float, duration_s: float, procs: 
     await redis.flushall()
     jobs = []
     for _ in range(jobs_n):
-        job = JobRequest(prompt="fanout").to_job(default_timeout_s=3600)
+        job = JobRequest(prompt="fanout").to_job(model="fanout", default_timeout_s=3600)
         await enqueue(redis, job)
         jobs.append(job.id)
     rss0 = proc_rss_mb(gateway_pid)

@@ -32,7 +32,11 @@ import redis.asyncio as aioredis
 
 from tidegate import keys
 from tidegate.jobstore import enqueue, read_result
+from tidegate.model_files.model_source import DEFAULT_MODEL
+from tidegate.model_files.served_model import default_name
 from tidegate.protocol import JobRequest, JobResult
+
+SERVED = default_name(DEFAULT_MODEL)  # the worker's default model, by its served name
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +117,8 @@ async def offer(r: aioredis.Redis, rate: float, seconds: float, args: argparse.N
         await asyncio.sleep(max(0.0, start + t - time.monotonic()))
         job = JobRequest(prompt=f"request {len(jobs)}: describe the sea in detail",
                          max_tokens=args.max_tokens, ignore_eos=True,
-                         timeout_s=args.deadline_s).to_job(default_timeout_s=args.deadline_s)
+                         timeout_s=args.deadline_s).to_job(model=SERVED,
+                                                           default_timeout_s=args.deadline_s)
         await enqueue(r, job)
         jobs.append((job.id, job.created_ms, job.deadline_ms))
     finals = await asyncio.gather(*(final(r, job_id) for job_id, _, _ in jobs))
@@ -127,7 +132,7 @@ async def capacity(r: aioredis.Redis, args: argparse.Namespace) -> float:
     ids = []
     for i in range(n):
         job = JobRequest(prompt=f"warm {i}: describe the sea in detail", max_tokens=args.max_tokens,
-                         ignore_eos=True, timeout_s=600).to_job(default_timeout_s=600)
+                         ignore_eos=True, timeout_s=600).to_job(model=SERVED, default_timeout_s=600)
         await enqueue(r, job)
         ids.append(job.id)
     t0 = time.monotonic()

@@ -145,6 +145,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--response-format", metavar="FILE",
                    help="JSON: a response_format object, a JSON schema, or a list of either "
                         "(or of {name, schema}); every job carries one, in turn")
+    g.add_argument("--adapters", nargs="+", default=[], metavar="NAME",
+                   help="LoRA adapters the jobs run, in turn (the job's lora field); the "
+                        "worker loads them (--lora)")
+    g.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="an adapter the worker loads at start (its --lora)")
     g = ap.add_argument_group("load generator")
     g.add_argument("--follow", choices=("ws", "sse", "mixed"), default="ws")
     g.add_argument("--follow-fraction", type=float, default=1.0,
@@ -214,7 +219,8 @@ def resolve(args: argparse.Namespace) -> Bench:
         api_key=secrets.token_urlsafe(24) if args.auth else None,
         default_timeout_s=args.deadline_s or NO_DEADLINE_S,
         startup_timeout_s=args.startup_timeout_s,
-        extra_env=dict(kv.split("=", 1) for kv in args.env))
+        extra_env=dict(kv.split("=", 1) for kv in args.env),
+        worker_args=tuple(arg for kv in args.lora for arg in ("--lora", kv)))
     return Bench(args, sections, stack)
 
 
@@ -246,6 +252,9 @@ def plan_work(bench: Bench) -> list[Run]:
         shape = {"input_len": a.input_len, "output_len": a.output_len, "input_span": spans[0],
                  "output_span": spans[1], **lengths}
         built = build_work(encode, offsets, seed=seed, **shape)  # type: ignore[arg-type]
+        if a.adapters:
+            built = dataclasses.replace(built, adapters=tuple(
+                a.adapters[i % len(a.adapters)] for i in range(len(built))))
         if not a.formats:
             return built
         return dataclasses.replace(built, formats=tuple(a.formats[i % len(a.formats)]

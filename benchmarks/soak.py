@@ -71,7 +71,10 @@ def rss_bytes(pid: int) -> int:
 
 def sample(stack: Stack, client: redis.Redis, t0: float) -> dict:
     info = client.info("memory")
-    lanes = {lane: client.xlen(keys.lane_stream(lane)) for lane in keys.LANES}
+    streams = [(keys.parse_lane_stream(s), s) for s in client.scan_iter(
+        match=keys.LANE_STREAM_PATTERN)]
+    lanes = {lane: sum(client.xlen(s) for parsed, s in streams if parsed and parsed[1] == lane)
+             for lane in keys.LANES}  # every model's
     rss = {name: rss_bytes(p.pid) for name, p in stack.procs.items() if p.poll() is None}
     return {"t_s": round(time.monotonic() - t0, 2), "used_memory": int(info["used_memory"]),
             "used_memory_rss": int(info["used_memory_rss"]), "dbsize": int(client.dbsize()),

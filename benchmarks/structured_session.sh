@@ -36,17 +36,7 @@ shift
 exec > >(tee -a "$OUT/session.log") 2>&1
 BUDGET_S=${SESSION_BUDGET_S:-570}  # the call's 10 minutes less a margin for the copy back
 
-if [[ -z ${NO_WHEELS:-} ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1 TIDEGATE_KERNEL_CACHE=/tmp/tidegate-kernels
-ulimit -n 65536 2>/dev/null || ulimit -n 8192
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader \
-  2>/dev/null || echo "no nvidia-smi"
+source benchmarks/device_session_env.sh
 echo "cores: $(nproc); $(python3 -c 'import torch, triton, llguidance as g
 print("torch", torch.__version__, "triton", triton.__version__, "llguidance", g.__version__)')"
 
@@ -71,14 +61,7 @@ fi
 common=(--redis-server .redisbin/run-redis --device "${DEVICE:-cuda}" --model "$MODEL_DIR"
         --max-num-seqs 256 --max-num-batched-tokens 16384 --burst 1000 --input-len 256
         --output-len 256 --client-procs 4 --only burst --startup-timeout-s 300 --plot "" "$@")
-status=0
-serve() {  # NAME SECONDS [more serve.py arguments]: one serve.py run, its logs kept
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name: up to ${limit}s (at ${SECONDS}s of the call)"
-  timeout "$limit" python3 benchmarks/serve.py "${common[@]}" --logdir "/tmp/logs/$name" \
-    --out "$OUT/structured_serve_h200_$name.json" "$@" || status=$?
-}
+RESULTS=structured_serve_h200  # serve() writes $OUT/${RESULTS}_NAME.json
 # The free run may take what leaves the constrained one 200 s.
 serve free $(( BUDGET_S - SECONDS - 200 < 260 ? BUDGET_S - SECONDS - 200 : 260 ))
 serve json $(( BUDGET_S - SECONDS - 10 )) --response-format "$schema"

@@ -51,6 +51,9 @@ from pathlib import Path
 
 import redis
 
+from tidegate import keys
+from tidegate.model_files.served_model import default_name
+
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ("plain", "chat", "idem", "auth", "long", "limits")
 # How the API is started for a scenario (the others: no key, no limit): auth, extra env.
@@ -66,7 +69,9 @@ MESSAGES = [
     {"role": "user", "content": "What is the capital of France? Answer in one word."},
 ]
 LONG_PROMPT = " ".join(["The tide came in over the mudflats and the birds lifted."] * 26)
-LANE = "tidegate:lane:{interactive.0}"
+def lane_of(model: str) -> str:
+    """The interactive lane of the API's model (its served name)."""
+    return keys.lane_stream(default_name(model), "interactive")
 
 
 def body_of(scenario: str) -> dict:
@@ -355,7 +360,7 @@ def one_run(args: argparse.Namespace, rds: RedisProc, api: ApiProc, model: str, 
     else:
         load_cpu = time.process_time() - self0
     time.sleep(0.3)  # the API finishes the enqueues of requests wrk dropped at its stop
-    lane = rds.client.xlen(LANE)
+    lane = rds.client.xlen(lane_of(model))
     return Result(
         model=model, scenario=scenario, repeat=repeat, generator=args.generator,
         connections=args.connections, submits_per_s=load.ok / load.seconds,

@@ -1,36 +1,37 @@
 """The HTTP API producers submit jobs to: authenticate, validate, admit, enqueue, answer where
-to stream; read a job back; cancel it.
+to stream; read a job back; cancel it; register LoRA adapters.
 
 Nothing reaches Redis until a request has passed validation and admission
 (``producer.submit.submit_path``, the path every submit route shares), and every error is one
 JSON shape naming the fields at fault (``producer.errors.error_body``). ``ProducerAPI`` holds
-the routes, so ``tidegate up`` can mount them beside the gateway.
+the routes, so ``tidegate up`` can mount them beside the gateway, and runs the sweeper that
+rejects the expired jobs of models no worker serves (``producer.no_worker_sweeper``).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from producer.adapter_routes import AdapterRoutes
 from producer.errors import error_body
+from producer.no_worker_sweeper import NoWorkerSweeper
 from producer.openai_compat.routes import OpenAIRoutes
 from producer.openapi_paths import producer_docs
 from producer.socket_submit import SocketSubmit
 from producer.submit.admission import Admission
-from producer.submit.backlog import LaneFull
-from producer.submit.idempotency import Claim, ClaimInProgress
-from producer.submit.refusal import Refusal, refusal_of
+from producer.submit.idempotency import Claim
+from producer.submit.refusal import Refusal, answer
 from producer.submit.request_body import read_json, with_header_key
 from producer.submit.submit_path import SubmitPath
-from tidegate.http.auth import Auth, AuthError, job_access
+from tidegate.http.auth import Auth, job_access
 from tidegate.http.openapi import openapi_route
 from tidegate.jobstore import read_result, request_cancel
 from tidegate.operations.operator_routes import metrics_response, readiness_response
@@ -46,6 +47,7 @@ class ProducerAPI:
         self.settings = settings
         self.path = SubmitPath(settings, admission=admission, auth=auth)
         self.auth = self.path.auth
+        self._sweeper: NoWorkerSweeper | None = None
         # Stream URL bases by what they are made of (see _base_key): building one from the
         # request (Starlette's base_url) cost more than the rest of the answer.
         self._stream_base: dict[tuple[Any, ...], str] = {}
@@ -57,6 +59,7 @@ class ProducerAPI:
             Route("/readyz", self.readyz, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             *OpenAIRoutes(self.path).routes,
+            *AdapterRoutes(self.path).routes,
             *SocketSubmit(self.path).routes,
         ]
         # Routing errors (404 no route, 405) in the same JSON shape; pass to the app.
@@ -64,25 +67,32 @@ class ProducerAPI:
             HTTPException: _http_exception, Exception: _internal_error}
 
     async def start(self) -> None:
-        """Load the tokenizer (if none was given) and open the Redis client."""
+        """Load the tokenizers (those not given), open the Redis client, start the sweeper."""
         await self.path.start()
+        self._sweeper = NoWorkerSweeper(self.path.redis, self.path.catalog.names,
+                                        partitions=self.settings.lane_partitions,
+                                        rejected_ttl_s=self.settings.rejected_ttl_s)
+        self._sweeper.start()
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            await self._sweeper.stop()
+            self._sweeper = None
         await self.path.stop()
 
     async def submit(self, request: Request) -> Response:
         """``POST /v1/jobs``: 202 with the job's id, stream URL and stream token (200 with the
         same answer for a repeat of an earlier submit's ``Idempotency-Key``)."""
-        return await _answer(self._submit(request))
+        return await answer(self._submit(request))
 
     async def get_job(self, request: Request) -> Response:
         """``GET /v1/jobs/{id}``: the job's status and, once finished, its result."""
-        return await _answer(self._get_job(request))
+        return await answer(self._get_job(request))
 
     async def cancel(self, request: Request) -> Response:
         """``POST /v1/jobs/{id}/cancel``: 202 ``cancelled`` (it was queued) or ``cancelling``
         (its worker stops it within a step); 409 if it had already finished."""
-        return await _answer(self._cancel(request))
+        return await answer(self._cancel(request))
 
     async def _submit(self, request: Request) -> Response:
         tenant = self.auth.tenant(request.headers.get("authorization"))
@@ -136,10 +146,12 @@ class ProducerAPI:
         return await readiness_response(self.path.redis)
 
     async def metrics(self, request: Request) -> Response:
-        """Prometheus: the queue per lane, the live workers and this process's rate-limit
-        refusals by tenant id (no key: scrapers hold none; nothing here names a job)."""
+        """Prometheus: the queue per model and lane, the live workers and this process's
+        rate-limit refusals by tenant id (no key: scrapers hold none; nothing here names a
+        job)."""
         return await metrics_response(self.path.redis, self.settings.lane_partitions,
-                                      collectors=[self.path.limiter])
+                                      collectors=[self.path.limiter],
+                                      models=self.path.catalog.names)
 
     def _stream_url(self, request: Request, job_id: str) -> str:
         base = self._stream_base.get(_base_key(request.scope))
@@ -165,14 +177,6 @@ def create_app(settings: Settings, *, admission: Admission | None = None) -> Sta
     routes = [*api.routes, openapi_route(producer_docs(), title="tidegate API")]
     return Starlette(routes=routes, lifespan=lifespan,
                      exception_handlers=dict(api.exception_handlers))
-
-
-async def _answer(handling: Awaitable[Response]) -> Response:
-    """A handler's response, or the one JSON error shape for whatever refusal it raised."""
-    try:
-        return await handling
-    except (Refusal, AuthError, LaneFull, ClaimInProgress, RedisError) as exc:
-        return refusal_of(exc).response()
 
 
 def _not_found(job_id: str) -> Refusal:

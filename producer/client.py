@@ -70,6 +70,8 @@ class SubmitOptions(TypedDict, total=False):
     lane: Lane
     priority: int  # -100..100, higher runs first within a lane
     idempotency_key: str  # a repeat with the same key returns the same job
+    model: str  # a served model's name or alias, or "base:ADAPTER" (default: the first model)
+    lora: str  # a LoRA adapter registered on the model
 
 
 def build_request(prompt: str | None = None, **options: Unpack[SubmitOptions]) -> JobRequest:

@@ -58,6 +58,17 @@ class JobNotFound(TidegateError):
     default_type = "not_found"
 
 
+class ModelNotFound(JobNotFound):
+    """The request names a model, or an adapter of one, that the service does not serve (404
+    ``model_not_found``): ``fields`` names the request field (``model`` or ``lora``)."""
+
+    default_type = "model_not_found"
+
+    def __init__(self, message: str, *, fields: list[FieldError] | None = None, **kw: Any):
+        super().__init__(message, **kw)
+        self.fields = fields or []
+
+
 class ServiceUnavailable(TidegateError):
     """The API, the gateway or Redis could not be reached; retrying later may succeed."""
 
@@ -144,6 +155,10 @@ def error_from_response(status: int, body: Any, retry_after: str | None = None) 
         return Unauthorized(message, type=kind, status=status)
     if status == 403:
         return Forbidden(message, type=kind, status=status)
+    if status == 404 and kind == "model_not_found":
+        fields = [FieldError(field=str(f.get("field", "")), reason=str(f.get("reason", "")))
+                  for f in err.get("fields") or [] if isinstance(f, dict)]
+        return ModelNotFound(message, fields=fields, type=kind, status=status)
     if status == 404:
         return JobNotFound(message, type=kind, status=status)
     if status == 409:

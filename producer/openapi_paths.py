@@ -1,11 +1,12 @@
 """The producer API's routes in OpenAPI (``tidegate.http.openapi``): ``/v1/jobs``, the OpenAI routes,
-``/v1/stream`` and the operator routes, with request bodies from ``JobRequest`` and the OpenAI
-request models."""
+``/v1/adapters``, ``/v1/stream`` and the operator routes, with request bodies from
+``JobRequest``, ``AdapterBody`` and the OpenAI request models."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from producer.adapter_routes import AdapterBody
 from producer.openai_compat.schema import ChatCompletionRequest, CompletionRequest
 from tidegate.http.openapi import (
     KEY_ONLY,
@@ -34,7 +35,29 @@ OPENAI_ERROR = {
 }
 MODEL_CARD = {"type": "object", "required": ["id", "object", "created", "owned_by"],
               "properties": {"id": {"type": "string"}, "object": {"const": "model"},
-                             "created": {"type": "integer"}, "owned_by": {"type": "string"}}}
+                             "created": {"type": "integer"}, "owned_by": {"type": "string"},
+                             "parent": {"type": "string",
+                                        "description": "an adapter's base model"},
+                             "root": {"type": "string"}}}
+ADAPTER = {"type": "object", "required": ["model", "name", "path", "status"],
+           "properties": {"model": {"type": "string"}, "name": {"type": "string"},
+                          "path": {"type": "string"},
+                          "status": {"enum": ["loaded", "registered"]},
+                          "loaded_by": {"type": "array", "items": {"type": "string"},
+                                        "description": "the workers that loaded it"},
+                          "message": {"type": "string"}}}
+ADAPTER_LIST = {"type": "object", "required": ["models"], "properties": {"models": {
+    "type": "array", "items": {"type": "object", "properties": {
+        "model": {"type": "string"},
+        "adapters": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string"}, "path": {"type": "string"},
+            "added_ms": {"type": "integer"}}}}}}}}}
+ADAPTER_DOC = """Register a LoRA adapter (a PEFT directory as the workers see it) on a served
+model and have its live workers load it. Needs an admin key (TIDEGATE_ADMIN_KEYS, or `admin`
+on the key's line of the keys file; open while auth is off). 201: a worker loaded it
+(`loaded_by`); 202: registered, no live worker (yet) confirmed it (workers load every
+registered adapter when they start); 422 (field `path`): every live worker failed to load it;
+409: the name is registered with another path."""
 STREAM_DOC = """Submit a job and watch it on one socket. First frame (JSON text):
 `{"type": "generate", "request": <a POST /v1/jobs body>, "api_key"?}` or
 `{"type": "resume", "job_id", "last_event_id"?, "api_key"? | "token"?}`. The server answers
@@ -49,6 +72,7 @@ def producer_docs() -> OpenAPIDocs:
     operator_operations(docs)
     _job_routes(docs)
     _openai_routes(docs)
+    _adapter_routes(docs)
     docs.add("/v1/stream", "get", {
         "summary": "WebSocket: submit a job and stream its events", "operationId": "submitStream",
         "description": STREAM_DOC, "x-websocket": True, "security": KEY_OR_TOKEN,
@@ -66,7 +90,7 @@ def _job_routes(docs: OpenAPIDocs) -> None:
         "responses": {"202": {**json_response("Queued", ACCEPTED), "headers": RATE_HEADERS},
                       "200": json_response("The job an earlier submit with this "
                                            "Idempotency-Key made", ACCEPTED),
-                      **error_responses(400, 401, 409, 413, 422, 429, 503)}})
+                      **error_responses(400, 401, 404, 409, 413, 422, 429, 503)}})
     docs.add("/v1/jobs/{job_id}", "get", {
         "summary": "A job's status and, once finished, its result", "operationId": "getJob",
         "security": KEY_ONLY, "parameters": [JOB_ID],
@@ -93,18 +117,36 @@ def _openai_routes(docs: OpenAPIDocs) -> None:
                             "content": {"application/json": {"schema": docs.model(model)}}},
             "responses": {"200": _completion_answer(), **errors}})
     docs.add("/v1/models", "get", {
-        "summary": "The served model", "operationId": "listModels", "security": KEY_ONLY,
-        "responses": {"200": json_response("A list of one model", {
+        "summary": "The served models with a live worker, and their adapters",
+        "operationId": "listModels", "security": KEY_ONLY,
+        "responses": {"200": json_response("Models, each followed by its adapters", {
             "type": "object", "properties": {"object": {"const": "list"},
                                              "data": {"type": "array", "items": MODEL_CARD}}}),
-                      **error_responses(401, schema=OPENAI_ERROR)}})
+                      **error_responses(401, 503, schema=OPENAI_ERROR)}})
     docs.add("/v1/models/{model}", "get", {
-        "summary": "The served model by any of its names", "operationId": "getModel",
+        "summary": "A served model by any of its names, or an adapter as base:NAME",
+        "operationId": "getModel",
         "security": KEY_ONLY,
         "parameters": [{"name": "model", "in": "path", "required": True,
                         "schema": {"type": "string"}}],
         "responses": {"200": json_response("The model", MODEL_CARD),
-                      **error_responses(401, 404, schema=OPENAI_ERROR)}})
+                      **error_responses(401, 404, 503, schema=OPENAI_ERROR)}})
+
+
+def _adapter_routes(docs: OpenAPIDocs) -> None:
+    docs.add("/v1/adapters", "post", {
+        "summary": "Register a LoRA adapter (admin)", "operationId": "registerAdapter",
+        "description": ADAPTER_DOC, "security": KEY_ONLY,
+        "requestBody": {"required": True,
+                        "content": {"application/json": {"schema": docs.model(AdapterBody)}}},
+        "responses": {"201": json_response("Loaded by a worker", ADAPTER),
+                      "202": json_response("Registered", ADAPTER),
+                      **error_responses(400, 401, 403, 404, 409, 413, 422, 503)}})
+    docs.add("/v1/adapters", "get", {
+        "summary": "The registered adapters of every served model",
+        "operationId": "listAdapters", "security": KEY_ONLY,
+        "responses": {"200": json_response("Adapters per model", ADAPTER_LIST),
+                      **error_responses(401, 503)}})
 
 
 def _completion_answer() -> dict[str, Any]:

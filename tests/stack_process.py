@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -51,6 +52,17 @@ def tidegate_up(redis_server: RedisServer, *, model: str = "smollm2",
         while (alive := [pid for pid in workers if is_alive(pid)]) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive, f"tidegate up left its worker(s) {alive} running"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, as an operator stops a process; killed if it has not left in 30 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -78,7 +78,7 @@ async def enqueue(
         args += ["owner", owner]
     if stream_token_hash is not None:
         args += ["stream_token_hash", stream_token_hash]
-    names = (keys.job_hash(job.id), keys.job_events(job.id), keys.lane_stream(job.lane, partition))
+    names = (keys.job_hash(job.id), keys.job_events(job.id), keys.lane_stream(job.model, job.lane, partition))
     try:
         done = await redis.evalsha(_ENQUEUE_SHA, 3, *names, *args)
     except NoScriptError:  # a fresh (or flushed) Redis: load it once, then as before
@@ -97,6 +97,8 @@ async def read_result(redis: aioredis.Redis, job_id: str) -> JobResult | None:
         "id": job_id,
         "status": record.get("status", "queued"),
         "lane": job.get("lane"),
+        "model": job.get("model"),
+        "adapter": job.get("adapter"),
         "created_ms": job.get("created_ms"),
         "deadline_ms": job.get("deadline_ms"),
     }
@@ -188,6 +190,40 @@ compact(KEYS[2], tonumber(ARGV[2]))
 redis.call('PUBLISH', ARGV[1], job['id'] .. ' ' .. id .. ' done ' .. raw)
 return 'cancelled'
 """
+
+
+# KEYS: job hash, job events. ARGV: live channel, ttl_s, reason, message, events maxlen.
+# A job still queued ends here as rejected: the rejected event stored and published (as a
+# worker's would be), its error stored, its keys kept ttl_s from now (the rejected retention).
+# Returns 'ok'; anything else (a worker claimed it, it ended, it expired) is left alone: returns
+# its status.
+_REJECT_QUEUED_LUA = _NEXT_ID_LUA + COMPACT_LUA + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'missing' end
+if status ~= 'queued' then return status end
+local job = cjson.decode(redis.call('HGET', KEYS[1], 'job'))
+local id = next_event_id(KEYS[2])
+local raw = cjson.encode({type = 'rejected', id = id, job_id = job['id'], reason = ARGV[3],
+                          message = ARGV[4]})
+redis.call('HSET', KEYS[1], 'status', 'rejected',
+           'error', cjson.encode({code = ARGV[3], message = ARGV[4]}))
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], id .. '-0', 'e', raw)
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+compact(KEYS[2], tonumber(ARGV[2]))
+redis.call('PUBLISH', ARGV[1], job['id'] .. ' ' .. id .. ' rejected ' .. raw)
+return 'ok'
+"""
+
+
+async def reject_queued(redis: aioredis.Redis, job_id: str, *, reason: str, message: str,
+                        ttl_s: int = Retention().rejected_s) -> str:
+    """Reject a job no worker has claimed: 'ok', or the status it had instead ('running', a
+    final status ('rejected' included), 'missing'), in which case nothing changed. Safe to race: of several callers
+    (API replicas) one rejects it, and a worker that claims it first wins."""
+    return await redis.eval(_REJECT_QUEUED_LUA, 2, keys.job_hash(job_id),
+                            keys.job_events(job_id), keys.job_live_channel(job_id), ttl_s,
+                            reason, message, keys.EVENTS_MAXLEN)
 
 
 async def claim_many(redis: aioredis.Redis, jobs: list[tuple[str, int]], worker_id: str

@@ -1,8 +1,10 @@
 """Every Redis key, stream and channel name tidegate uses, and their lifetimes.
 
 All keys of one job share the Redis Cluster hash tag ``{job_id}`` so a job's hash, event
-stream and channel live in one slot; lane streams carry their own tag per partition so a
-lane can be split across slots.
+stream and channel live in one slot; lane streams carry their own tag per model, lane and
+partition so a lane can be split across slots. Every served model has its own lanes, adapter
+registry and adapter-load reports, named by its served name
+(``tidegate.model_files.served_model``).
 """
 
 from __future__ import annotations
@@ -39,9 +41,50 @@ def is_valid_job_id(job_id: str) -> bool:
     return bool(JOB_ID_RE.match(job_id))
 
 
-def lane_stream(lane: str, partition: int = 0) -> str:
-    """The job stream of one lane partition; the tag spreads partitions across cluster slots."""
-    return f"{PREFIX}:lane:{{{lane}.{partition}}}"
+def lane_stream(model: str, lane: str, partition: int = 0) -> str:
+    """The job stream of one model's lane partition: only that model's workers read it; the
+    tag spreads models and partitions across cluster slots."""
+    return f"{PREFIX}:lane:{{{model}.{lane}.{partition}}}"
+
+
+LANE_STREAM_PATTERN = f"{PREFIX}:lane:*"
+
+
+def parse_lane_stream(stream: str) -> tuple[str, str, int] | None:
+    """(model, lane, partition) of a ``lane_stream`` name; None for anything else. Model names
+    may hold dots: the lane and partition are the last two parts."""
+    head = f"{PREFIX}:lane:{{"
+    if not (stream.startswith(head) and stream.endswith("}")):
+        return None
+    parts = stream[len(head):-1].rsplit(".", 2)
+    if len(parts) != 3 or not parts[0] or parts[1] not in LANES or not parts[2].isdecimal():
+        return None
+    return parts[0], parts[1], int(parts[2])
+
+
+def adapters(model: str) -> str:
+    """Hash: adapter name -> JSON {"path", "added_ms"}: the model's durable adapter registry.
+    Workers load every adapter in it at start; ``POST /v1/adapters`` and ``--lora`` add to it."""
+    return f"{PREFIX}:adapters:{{{model}}}"
+
+
+# "Load this adapter now" to every worker (message JSON {model, name, path}); each worker of
+# that model loads it and reports in ``adapter_loads``.
+ADAPTER_CHANNEL = f"{PREFIX}:adapter-load"
+
+
+def adapter_loads(model: str) -> str:
+    """Hash: ``adapter_load_field(name, worker)`` -> "ok" or "error: <reason>": workers' reports
+    of the adapter loads ``ADAPTER_CHANNEL`` asked for, read by the API that asked."""
+    return f"{PREFIX}:adapter-loads:{{{model}}}"
+
+
+def adapter_load_field(name: str, worker_id: str) -> str:
+    return f"{name}\0{worker_id}"
+
+
+# Load reports are read within seconds of being written; they expire soon after.
+ADAPTER_LOADS_TTL_S = 120
 
 
 def job_hash(job_id: str) -> str:
@@ -84,7 +127,8 @@ CANCEL_CHANNEL = f"{PREFIX}:cancel"
 
 
 def worker_heartbeat(worker_id: str) -> str:
-    """Key a live worker refreshes; it expires when the worker dies."""
+    """Key a live worker refreshes; it expires when the worker dies. Its value is JSON: the
+    worker's load, the ``model`` it serves (served name) and its ``adapters``."""
     return f"{PREFIX}:worker:{{{worker_id}}}"
 
 

@@ -281,12 +281,24 @@ class _PromptFields(_Strict):
         return self
 
 
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # served model and adapter names
+
+
 class JobRequest(_PromptFields, SamplingParams):
-    """The body a producer sends: prompt or messages, sampling fields, deadline and lane.
+    """The body a producer sends: prompt or messages, sampling fields, deadline, lane, and the
+    model (and LoRA adapter) to run on.
 
     The deadline is either absolute (``deadline_ms``, unix ms) or relative (``timeout_s``);
-    with neither, the server's default timeout applies.
+    with neither, the server's default timeout applies. ``model`` is a served model's name or
+    alias (None: the default model), or ``base:ADAPTER``; ``lora`` names an adapter too.
     """
+
+    model: str | None = Field(
+        default=None, min_length=1, max_length=256,
+        description="a served model's name or alias (default: the first served model); "
+        "'base:NAME' runs adapter NAME of model base")
+    lora: str | None = Field(default=None, pattern=NAME_PATTERN,
+                             description="a LoRA adapter of the model (registered on it)")
 
     deadline_ms: int | None = Field(default=None, gt=0)
     timeout_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
@@ -310,7 +322,10 @@ class JobRequest(_PromptFields, SamplingParams):
     def sampling(self) -> SamplingParams:
         return SamplingParams(**self.model_dump(include=set(SamplingParams.model_fields)))
 
-    def to_job(self, *, default_timeout_s: float, job_id: str | None = None) -> Job:
+    def to_job(self, *, model: str, default_timeout_s: float, adapter: str | None = None,
+               job_id: str | None = None) -> Job:
+        """The job to enqueue on ``model``'s lanes (its served name, which the request's
+        ``model`` field resolved to), running ``adapter`` (None: the base model)."""
         created = now_ms()
         if self.deadline_ms is not None:
             deadline = self.deadline_ms
@@ -328,6 +343,8 @@ class JobRequest(_PromptFields, SamplingParams):
             lane=self.lane,
             priority=self.priority,
             created_ms=created,
+            model=model,
+            adapter=adapter,
         )
 
 
@@ -335,6 +352,9 @@ class Job(_PromptFields):
     """A generation job as it travels through a lane stream."""
 
     id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    model: str = Field(pattern=NAME_PATTERN, description="the served model's name")
+    adapter: str | None = Field(default=None, pattern=NAME_PATTERN,
+                                description="the LoRA adapter it runs (None: the base model)")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     deadline_ms: int
     lane: Lane = "interactive"
@@ -493,6 +513,8 @@ class JobResult(_Strict):
     id: str
     status: JobStatus
     lane: Lane | None = None
+    model: str | None = None  # the served model's name
+    adapter: str | None = None
     created_ms: int | None = None
     deadline_ms: int | None = None
     text: str | None = None

@@ -19,6 +19,16 @@ class Settings(BaseSettings):
     # REDIS_URL (unprefixed, the common convention) also works; see `load_settings`.
     redis_url: str = DEFAULT_REDIS_URL
     model: str = Field(default="smollm2", description="smollm2 | HF dir | .gguf | random:<preset>")
+    # Several served models (``tidegate.model_files.served_model``): "spec" or "name=spec" each
+    # (TIDEGATE_MODELS: a comma list or a JSON list; the CLI: --model repeated), or a TOML/JSON
+    # file of models with their own engine options and adapters. The first is the default.
+    models: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    models_file: str | None = None
+    # LoRA adapters of the first model, "NAME=PATH" each (a PEFT directory on the worker).
+    loras: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Adapters resident on the device at once (0: LoRA off) and the largest rank served.
+    max_loras: int = Field(default=4, ge=0)
+    max_lora_rank: int = Field(default=16, ge=1, le=64)
     device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="cpu | cuda[:N]")
     dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16|float16)$",
                        description="auto: float32 on CPU, bfloat16 on CUDA")
@@ -102,6 +112,10 @@ class Settings(BaseSettings):
     # ('#' comments). None configured: auth is off (local development).
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
     api_keys_file: str | None = None
+    # Keys that may also call the admin routes (POST /v1/adapters): same forms as api_keys;
+    # they are valid API keys too. A keys-file line marks its key with the word ``admin``.
+    # Auth off (no key configured at all): the admin routes are open (local development).
+    admin_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
     # Per lane, jobs waiting or unacknowledged above which submits are refused (429).
     max_backlog: int = Field(default=10_000, ge=1)
     retry_after_s: int = Field(default=2, ge=1)
@@ -111,7 +125,7 @@ class Settings(BaseSettings):
     # Charged prompt tokens + max_tokens at submit, as OpenAI counts them at admission.
     rate_limit_tokens_per_min: int | None = Field(default=None, gt=0)
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "admin_keys", "models", "loras", mode="before")
     @classmethod
     def _comma_list(cls, value: object) -> object:
         """A comma-separated string (the usual env form) or a JSON list, blanks dropped."""

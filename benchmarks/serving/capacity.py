@@ -112,7 +112,7 @@ def prewrite(redis_port: int, streams: int, tokens: int, per_event: int, owner: 
 def _write_job(pipe: redis.client.Pipeline, job_id: str, token: str, tokens: int,
                per_event: int, owner: str) -> None:
     job = JobRequest(prompt=f"capacity stream {job_id}", max_tokens=tokens, ignore_eos=True
-                     ).to_job(default_timeout_s=600, job_id=job_id)
+                     ).to_job(model="capacity", default_timeout_s=600, job_id=job_id)
     events = [QueuedEvent(id=1, job_id=job_id, lane=job.lane),
               StartedEvent(id=2, job_id=job_id, worker="capacity-check",
                            prompt_tokens=PROMPT_TOKENS)]

@@ -47,6 +47,7 @@ class StackConfig:
     default_timeout_s: float
     startup_timeout_s: float
     extra_env: dict[str, str] = field(default_factory=dict)
+    worker_args: tuple[str, ...] = ()  # more of the worker's command line (e.g. --lora N=P)
 
 
 def free_port() -> int:
@@ -191,7 +192,8 @@ class Stack:
         for i in range(self.cfg.workers):
             name, port = f"worker{i}", free_port()
             self.status_ports[name] = port
-            self._start(name, [*TIDEGATE, "worker"], worker_env(self.cfg, i, self.redis_url, port))
+            self._start(name, [*TIDEGATE, "worker", *self.cfg.worker_args],
+                        worker_env(self.cfg, i, self.redis_url, port))
             urls[name] = f"http://127.0.0.1:{port}/readyz"
         self._wait_ready(urls)
 

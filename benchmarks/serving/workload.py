@@ -57,6 +57,8 @@ class Work:
     offsets_s: list[float]
     # Each job's response_format (None: free text); empty: every job free.
     formats: tuple[dict[str, Any] | None, ...] = ()
+    # Each job's LoRA adapter (None: the base model); empty: every job the base model's.
+    adapters: tuple[str | None, ...] = ()
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -70,6 +72,8 @@ class Work:
                 "temperature": 0, "ignore_eos": True, "timeout_s": timeout_s}
         if (fmt := self.format(i)) is not None:
             body["response_format"] = fmt
+        if self.adapters and (adapter := self.adapters[i]) is not None:
+            body["lora"] = adapter
         return json.dumps(body).encode()
 
 

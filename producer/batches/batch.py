@@ -8,8 +8,8 @@ so any step can run again after a crash without losing or duplicating a line.
 
 Input line: ``{"custom_id": "...", "method": "POST", "url": "/v1/chat/completions", "body":
 {...}}``: ``method`` and ``url`` are optional; ``body`` holds what ``POST /v1/jobs`` takes
-(prompt or messages, sampling fields); an OpenAI ``model`` field is accepted and ignored (a
-deployment serves one model). Output line (input order): ``{"id", "custom_id", "response":
+(prompt or messages, sampling fields, ``model`` and ``lora``: a served model, the default when
+absent; the batch worker resolves it). Output line (input order): ``{"id", "custom_id", "response":
 {"status_code": 200, "body": {text, finish_reason, usage}}, "error": null}``, or
 ``"response": null`` with ``"error": {"code", "message"}``.
 """
@@ -94,7 +94,7 @@ def parse_lines(text: str) -> list[dict]:
 
 def line_request(body: dict) -> JobRequest:
     """The job a line asks for, on the batch lane; raises ``ValidationError``."""
-    fields = {k: v for k, v in body.items() if k != "model"}
+    fields = dict(body)
     fields.setdefault("lane", "batch")
     if "timeout_s" not in fields and "deadline_ms" not in fields:
         fields["timeout_s"] = BATCH_TIMEOUT_S

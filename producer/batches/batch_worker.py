@@ -6,7 +6,9 @@ the line in flight at a crash is queued twice, and a job id runs once however of
 queued (the worker's claim). ``batch_collect`` reads finished jobs, writes each line's output
 once, and requeues itself (a new arq job every round, each short) until every line has one.
 Each step is short and restartable: killing or restarting ``tidegate batch-worker`` mid-batch
-loses and duplicates no line.
+loses and duplicates no line. A line's ``model`` is resolved against the served models (the
+batch worker is configured with the same ``--model``/``--models-file`` as the workers); a line
+naming no served model ends with the error ``model_not_found``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from arq.worker import Worker, func
 from producer.batches.batch import LINE_CHUNK, error_line, line_job_id, line_request
 from tidegate import keys
 from tidegate.jobstore import enqueue
+from tidegate.model_files.model_catalog import LoraMismatch, ModelCatalog, ModelNotFound
 from tidegate.protocol import now_ms
 from tidegate.redis_conn import connect
 
@@ -35,6 +38,7 @@ STEP_TIMEOUT_S = 120  # one enqueue pass or collect round; arq retries it after 
 async def batch_enqueue(ctx: dict[str, Any], batch_id: str) -> int:
     """Queue every line not yet on the lane; returns how many this run queued."""
     redis: aioredis.Redis = ctx["tidegate_redis"]
+    catalog: ModelCatalog = ctx["tidegate_catalog"]
     state = await redis.hgetall(keys.batch_hash(batch_id))
     if state and state["status"] == "cancelling":  # cancelled before its lines were queued
         await _next_round(ctx, batch_id, 0)  # (arq runs one job per id: a repeat is a no-op)
@@ -59,8 +63,14 @@ async def batch_enqueue(ctx: dict[str, Any], batch_id: str) -> int:
                 await _next_round(ctx, batch_id, 0)
                 return queued
             line = json.loads(raw)
-            job = line_request(line["body"]).to_job(default_timeout_s=0,
-                                                    job_id=line_job_id(batch_id, index))
+            request = line_request(line["body"])
+            try:
+                choice = catalog.choose(request.model, request.lora)
+            except (ModelNotFound, LoraMismatch) as exc:
+                await _line_failed(redis, batch_id, index, line["custom_id"], exc)
+                continue
+            job = request.to_job(model=choice.model.name, adapter=choice.adapter,
+                                 default_timeout_s=0, job_id=line_job_id(batch_id, index))
             await enqueue(redis, job)
             # After the entry: a crash in between queues this one line twice, never zero times.
             await redis.hset(keys.batch_enqueued(batch_id), str(index), job.id)
@@ -69,6 +79,15 @@ async def batch_enqueue(ctx: dict[str, Any], batch_id: str) -> int:
     await redis.expire(keys.batch_enqueued(batch_id), keys.BATCH_TTL_S)
     await _next_round(ctx, batch_id, 0)
     return queued
+
+
+async def _line_failed(redis: aioredis.Redis, batch_id: str, index: int, custom_id: str,
+                       exc: Exception) -> None:
+    """A line no served model can run: its error output, written (and counted) once."""
+    code = "model_not_found" if isinstance(exc, ModelNotFound) else "invalid_request"
+    line = error_line(batch_id, index, custom_id, code, str(exc))
+    if await redis.hsetnx(keys.batch_results(batch_id), str(index), line):
+        await redis.hincrby(keys.batch_hash(batch_id), "failed", 1)
 
 
 async def batch_collect(ctx: dict[str, Any], batch_id: str, round_: int) -> int:
@@ -174,15 +193,15 @@ def redis_check(redis_url: str) -> Callable[[], str | None]:
     return check
 
 
-def make_worker(redis_url: str, *, burst: bool = False) -> Worker:
-    """The arq worker that runs batches (``tidegate batch-worker``)."""
+def make_worker(redis_url: str, catalog: ModelCatalog, *, burst: bool = False) -> Worker:
+    """The arq worker that runs batches (``tidegate batch-worker``) on ``catalog``'s models."""
     return Worker(
         functions=[func(batch_enqueue, timeout=STEP_TIMEOUT_S, max_tries=1000),
                    func(batch_collect, timeout=STEP_TIMEOUT_S, max_tries=1000)],
         queue_name=keys.BATCH_ARQ_QUEUE,
         redis_settings=RedisSettings.from_dsn(redis_url),
         on_startup=_startup, on_shutdown=_shutdown,
-        ctx={"tidegate_redis_url": redis_url},
+        ctx={"tidegate_redis_url": redis_url, "tidegate_catalog": catalog},
         burst=burst, max_jobs=4, keep_result=60, poll_delay=0.2,
         handle_signals=True,
     )

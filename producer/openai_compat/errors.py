@@ -9,7 +9,7 @@ The status decides which exception the official ``openai`` client raises (400
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -52,8 +52,8 @@ def unsupported(param: str, message: str) -> OpenAIError:
     return OpenAIError(400, message, param=param, code="unsupported_value")
 
 
-def model_not_found(model: str, served: str) -> OpenAIError:
-    message = f"The model {model!r} does not exist; this server serves {served!r}"
+def model_not_found(model: str, served: Sequence[str]) -> OpenAIError:
+    message = f"The model {model!r} does not exist; this server serves {', '.join(served)}"
     return OpenAIError(404, message, param="model", code="model_not_found")
 
 
@@ -80,6 +80,8 @@ def from_refusal(status: int, type: str, message: str, fields: list[FieldError] 
         status = 400  # OpenAI answers 400 for every request it cannot take as given
     if status == 400 and fields:
         return from_fields(fields, rename, code="invalid_value" if type == "invalid_request" else type)
+    if status == 404 and fields:  # model_not_found: the model, or its adapter's field
+        return OpenAIError(404, message, param=fields[0]["field"], code=type, headers=headers)
     return OpenAIError(status, message, code=type, headers=headers)
 
 

@@ -1,6 +1,11 @@
 """OpenAI-compatible routes on the producer API: ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /v1/models/{model}``.
 
+A request's ``model`` is a served model's name or alias (``tidegate``: the default model), or
+``base:ADAPTER`` for one of its LoRA adapters; answers carry the string the caller sent.
+``/v1/models`` lists the models some live worker serves and their registered adapters (as
+``base:NAME`` entries with a ``parent``, vLLM's convention).
+
 A request is translated into a tidegate ``JobRequest`` (``producer.openai_compat.schema``), goes
 through the same auth, admission, backpressure and enqueue as ``POST /v1/jobs``
 (``SubmitPath.submit_job``), and is answered from the job's events
@@ -11,7 +16,6 @@ OpenAI's shape (``producer.openai_compat.errors``).
 from __future__ import annotations
 
 import time
-from functools import cached_property
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -29,10 +33,12 @@ from producer.submit.rate_limit import with_headers
 from producer.submit.refusal import Refusal
 from producer.submit.request_body import read_json
 from producer.submit.submit_path import SubmitPath
+from tidegate import adapter_registry
 from tidegate.http.auth import AuthError
-from tidegate.model_files.model_source import resolve_model
+from tidegate.model_files.served_model import ServedModel
+from tidegate.operations.queue_stats import worker_stats
+from tidegate.protocol import Job
 
-ALIAS = "tidegate"  # a model name every deployment answers to, whatever it serves
 OWNED_BY = "tidegate"
 
 
@@ -49,19 +55,15 @@ class OpenAIRoutes:
             Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
         ]
 
-    @cached_property
-    def model_name(self) -> str:
-        """The served model's name, as /v1/models lists it and answers carry it."""
-        return resolve_model(self.path.settings.model).name
+        self._spellers: dict[str, TokenSpeller] = {}
 
-    @cached_property
-    def model_names(self) -> frozenset[str]:
-        """Every name a request's ``model`` may give: the served name, its spec, ``tidegate``."""
-        return frozenset({self.model_name, self.path.settings.model, ALIAS})
-
-    @cached_property
-    def speller(self) -> TokenSpeller:
-        return TokenSpeller(self.path.admission.tokenizer)  # loaded by SubmitPath.start()
+    def speller(self, model: str) -> TokenSpeller:
+        """The token speller of a served model's tokenizer (loaded by SubmitPath.start())."""
+        speller = self._spellers.get(model)
+        if speller is None:
+            speller = TokenSpeller(self.path.admission_for(model).tokenizer)
+            self._spellers[model] = speller
+        return speller
 
     async def completions(self, request: Request) -> Response | ASGIApp:
         """``POST /v1/completions``."""
@@ -72,21 +74,42 @@ class OpenAIRoutes:
         return await self._generate(request, ChatCompletionRequest, ChatShape, "chatcmpl-")
 
     async def list_models(self, request: Request) -> Response:
-        """``GET /v1/models``: the one model this deployment serves."""
+        """``GET /v1/models``: the served models some live worker serves, each followed by
+        its registered adapters."""
         try:
             self._tenant(request)
+            default = self.path.catalog.default.name
+            live = {w.model or default for w in await worker_stats(self.path.redis)}
+            data: list[dict[str, Any]] = []
+            for model in self.path.catalog.models:
+                if model.name in live:
+                    data.append(self._model_card(model.name))
+                    data += [self._model_card(f"{model.name}:{name}", parent=model.name)
+                             for name in await self._adapters(model)]
         except OpenAIError as error:
             return error.response()
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        except RedisError as exc:
+            return _unavailable(exc).response()
+        return JSONResponse({"object": "list", "data": data})
 
     async def get_model(self, request: Request) -> Response:
-        """``GET /v1/models/{model}``: the served model by any of its names, else 404."""
+        """``GET /v1/models/{model}``: a served model by any of its names, or one of its
+        adapters as ``base:NAME`` (served or not right now), else 404."""
+        name = request.path_params["model"]
         try:
             self._tenant(request)
-            self._check_model(request.path_params["model"])
+            model = self.path.catalog.get(name)
+            if model is not None:
+                return JSONResponse(self._model_card(model.name))
+            base, _, adapter = name.rpartition(":")
+            model = self.path.catalog.get(base)
+            if model is None or adapter not in await self._adapters(model):
+                raise model_not_found(name, self.path.catalog.names)
         except OpenAIError as error:
             return error.response()
-        return JSONResponse(self._model_card())
+        except RedisError as exc:
+            return _unavailable(exc).response()
+        return JSONResponse(self._model_card(name, parent=model.name))
 
     async def _generate(self, request: Request,
                         kind: type[CompletionRequest] | type[ChatCompletionRequest],
@@ -96,29 +119,29 @@ class OpenAIRoutes:
         try:
             tenant = self._tenant(request)
             body = parse_body(kind, await self._read_json(request))
-            self._check_model(body.model)
-            job_id = await self._submit(body, tenant, rate_headers)
+            job = await self._submit(body, tenant, rate_headers)
         except OpenAIError as error:
             return error.response()
+        tokenizer = self.path.admission_for(job.model).tokenizer
         answer_shape: Shape = shape(
-            id=f"{id_prefix}{job_id}", model=self.model_name, created=int(time.time()),
+            id=f"{id_prefix}{job.id}", model=body.model, created=int(time.time()),
             logprobs=body.wants_logprobs,
             include_usage=bool(body.stream) and body.include_usage,
-            tool_format=(self.path.admission.tokenizer.tool_format
+            tool_format=(tokenizer.tool_format
                          if isinstance(body, ChatCompletionRequest) and body.offers_tools
                          else None),
             echo=body.echo_text if isinstance(body, CompletionRequest) else "",
             n=body.n or 1)
         return with_headers(
-            Answer(self.path.redis, self.path.hub, job_id, answer_shape, self.speller,
+            Answer(self.path.redis, self.path.hub, job.id, answer_shape, self.speller(job.model),
                    stream=bool(body.stream), retry_after_s=self.path.settings.retry_after_s),
             rate_headers)
 
     async def _submit(self, body: CompletionRequest | ChatCompletionRequest, tenant: str,
-                      rate_headers: dict[str, str]) -> str:
+                      rate_headers: dict[str, str]) -> Job:
         """Admit and enqueue the request's job as ``POST /v1/jobs`` does (a rate-limit refusal
-        included: ``from_refusal`` keeps its headers); its id."""
-        job_request = body.job_request()
+        included: ``from_refusal`` keeps its headers); the job."""
+        job_request = body.job_request().model_copy(update={"model": body.model})
         try:
             job = await self.path.submit_job(job_request, tenant=tenant,
                                             rate_headers=rate_headers)
@@ -129,9 +152,8 @@ class OpenAIRoutes:
             raise OpenAIError(429, str(exc), param="lane", code="queue_full",
                               headers={"Retry-After": str(exc.retry_after_s)}) from exc
         except RedisError as exc:
-            raise OpenAIError(503, f"the job store is unavailable ({type(exc).__name__}); "
-                              "retry later", code="service_unavailable") from exc
-        return job.id
+            raise _unavailable(exc) from exc
+        return job
 
     async def _read_json(self, request: Request) -> Any:
         try:
@@ -146,10 +168,17 @@ class OpenAIRoutes:
         except AuthError as exc:
             raise OpenAIError(exc.status, str(exc), code=exc.type, headers=exc.headers) from exc
 
-    def _check_model(self, model: str) -> None:
-        if model not in self.model_names:
-            raise model_not_found(model, self.model_name)
+    async def _adapters(self, model: ServedModel) -> list[str]:
+        return list(await adapter_registry.registered(self.path.redis, model.name))
 
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created,
+    def _model_card(self, model_id: str, *, parent: str | None = None) -> dict[str, Any]:
+        card = {"id": model_id, "object": "model", "created": self.created,
                 "owned_by": OWNED_BY}
+        if parent is not None:
+            card.update(parent=parent, root=parent)
+        return card
+
+
+def _unavailable(exc: RedisError) -> OpenAIError:
+    return OpenAIError(503, f"the job store is unavailable ({type(exc).__name__}); retry later",
+                       code="service_unavailable")

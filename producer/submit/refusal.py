@@ -3,10 +3,10 @@ exception a submit or lookup can raise to it. Shared by the HTTP routes and ``/v
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 
 from redis.exceptions import RedisError
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from producer.errors import FieldError, error_body
 from producer.submit.backlog import LaneFull
@@ -50,9 +50,18 @@ def _queue_full(exc: LaneFull) -> Refusal:
     fields = [FieldError(field="lane", reason=f"{exc.backlog} jobs waiting, at most "
                                               f"{exc.max_backlog}")]
     return Refusal(429, "queue_full", str(exc), fields,
-                   headers={"Retry-After": str(exc.retry_after_s)}, extra={"lane": exc.lane})
+                   headers={"Retry-After": str(exc.retry_after_s)},
+                   extra={"lane": exc.lane, "model": exc.model})
 
 
 def _unavailable(exc: RedisError) -> Refusal:
     message = f"the job store is unavailable ({type(exc).__name__}); retry later"
     return Refusal(503, "service_unavailable", message)
+
+
+async def answer(handling: Awaitable[Response]) -> Response:
+    """A handler's response, or the one JSON error shape for whatever refusal it raised."""
+    try:
+        return await handling
+    except (Refusal, AuthError, LaneFull, ClaimInProgress, RedisError) as exc:
+        return refusal_of(exc).response()

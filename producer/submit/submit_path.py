@@ -1,9 +1,12 @@
-"""The submit path: validate, admit, enqueue. ``POST /v1/jobs``, the OpenAI routes and
-``WS /v1/stream`` all call this one object, and share the connections it opens (the Redis
-client, its batched view for the submit's own commands, the event hub that watches jobs).
+"""The submit path: validate, choose the model, admit, enqueue. ``POST /v1/jobs``, the OpenAI
+routes and ``WS /v1/stream`` all call this one object, and share the connections it opens (the
+Redis client, its batched view for the submit's own commands, the event hub that watches jobs).
 
-A submit is refused before anything reaches Redis if it is invalid (422), too long for the
-model (admission), or its lane is full (``LaneFull``); the tenant's rate limits are charged
+Every served model (``tidegate.model_files.served_model``: the same list the workers serve) has
+its own admission (tokenizer, context) and its own lanes. A submit is refused before anything
+reaches Redis if it is invalid (422), names no served model or no registered adapter of it
+(404 ``model_not_found``), is too long for the model (admission), or its model's lane is full
+(``LaneFull``); the tenant's rate limits are charged
 last, so a submit refused for any other reason costs nothing. Each refusal is raised as what
 it is (``Refusal``, ``LaneFull``, ``ClaimInProgress``, ``RedisError``); every route turns it into
 its own error shape (``producer.submit.refusal.refusal_of`` for the native routes).
@@ -12,6 +15,7 @@ its own error shape (``producer.submit.refusal.refusal_of`` for the native route
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import anyio.to_thread
@@ -27,9 +31,17 @@ from producer.submit.batched import Batched
 from producer.submit.idempotency import Claim, ClaimInProgress
 from producer.submit.rate_limit import RateLimiter
 from producer.submit.refusal import Refusal
+from tidegate.adapter_registry import AdapterRegistry
 from tidegate.events.event_hub import EventHub
 from tidegate.http.auth import Auth, new_stream_token, token_hash
 from tidegate.jobstore import enqueue
+from tidegate.model_files.model_catalog import (
+    LoraMismatch,
+    ModelCatalog,
+    ModelChoice,
+    ModelNotFound,
+)
+from tidegate.model_files.served_model import served_models
 from tidegate.protocol import Job, JobRequest
 from tidegate.redis_conn import connect
 from tidegate.settings import Settings
@@ -40,10 +52,18 @@ class SubmitPath:
     the Redis client and event hub the API's routes share."""
 
     def __init__(self, settings: Settings, *, admission: Admission | None = None,
-                 auth: Auth | None = None):
+                 admissions: Mapping[str, Admission] | None = None, auth: Auth | None = None,
+                 catalog: ModelCatalog | None = None):
+        """``admission``: the default model's (tests serving one model); ``admissions``: by
+        served name. The models not given are loaded by ``start()``."""
         self.settings = settings
         self.auth = auth if auth is not None else Auth.from_settings(settings)
-        self._admission = admission  # None: loaded from settings.model by start()
+        self.catalog = catalog if catalog is not None else ModelCatalog(served_models(settings))
+        self._admissions: dict[str, Admission] = dict(admissions or {})
+        if admission is not None:
+            self._admissions.setdefault(self.catalog.default.name, admission)
+        self._loaded = False
+        self.adapters = AdapterRegistry()
         self.limiter = RateLimiter.from_settings(settings, self.auth)
         self._backlog = LaneBacklog(max_backlog=settings.max_backlog,
                                     partitions=settings.lane_partitions,
@@ -53,11 +73,13 @@ class SubmitPath:
         self._hub: EventHub | None = None
 
     async def start(self) -> None:
-        """Load the tokenizer (if none was given) and open the Redis client and event hub."""
+        """Load each model's tokenizer (those not given) and open the Redis client and hub."""
         self.auth.start()
-        if self._admission is None:
-            self._admission = await anyio.to_thread.run_sync(
-                Admission.for_model, self.settings.model, self.settings.max_output_tokens)
+        for model in self.catalog.models:
+            if model.name not in self._admissions:
+                self._admissions[model.name] = await anyio.to_thread.run_sync(
+                    Admission.for_model, model.spec, self.settings.max_output_tokens)
+        self._loaded = True
         self._redis = connect(self.settings.redis_url)
         self._batched = Batched(self._redis)
         self._hub = EventHub(self._redis, queue_size=self.settings.watcher_queue_size,
@@ -77,15 +99,41 @@ class SubmitPath:
 
     @property
     def started(self) -> bool:
-        """Admission loaded and the Redis client open (what readiness needs first)."""
-        return self._admission is not None and self._redis is not None
+        """Every admission loaded and the Redis client open (what readiness needs first)."""
+        return self._loaded and self._redis is not None
 
     @property
     def admission(self) -> Admission:
-        """The model's admission (and tokenizer), loaded by ``start()``."""
-        if self._admission is None:
+        """The default model's admission (and tokenizer), loaded by ``start()``."""
+        return self.admission_for(self.catalog.default.name)
+
+    def admission_for(self, model: str) -> Admission:
+        """A served model's admission (by served name), loaded by ``start()``."""
+        admission = self._admissions.get(model) if self._loaded else None
+        if admission is None:
             raise RuntimeError("SubmitPath.start() was not called")
-        return self._admission
+        return admission
+
+    async def choose(self, model: str | None, lora: str | None = None) -> ModelChoice:
+        """The served model and adapter a request names, the adapter checked against the
+        model's registry. ``Refusal`` 404 ``model_not_found`` naming the field at fault, or
+        422 when ``model``'s adapter suffix and ``lora`` disagree."""
+        try:
+            choice = self.catalog.choose(model, lora)
+        except ModelNotFound as exc:
+            raise Refusal(404, "model_not_found", str(exc),
+                          [FieldError(field=exc.field, reason=str(exc))]) from exc
+        except LoraMismatch as exc:
+            raise Refusal(422, "invalid_request", f"lora: {exc}",
+                          [FieldError(field="lora", reason=str(exc))]) from exc
+        name = choice.model.name
+        if choice.adapter is not None and choice.adapter not in await self.adapters.names(
+                self.redis, name):
+            message = (f"the model {name!r} has no adapter {choice.adapter!r} (register it "
+                       f"with POST /v1/adapters)")
+            raise Refusal(404, "model_not_found", message,
+                          [FieldError(field=choice.adapter_field, reason=message)])
+        return choice
 
     @property
     def redis(self) -> aioredis.Redis:
@@ -146,14 +194,17 @@ class SubmitPath:
                             rate_headers: dict[str, str] | None) -> Job:
         """The job to enqueue, once admission, the lane's backlog and the tenant's rate limits
         allow it (charged last: a submit refused for any other reason costs nothing)."""
-        job_request, prompt_tokens = await self._admit(job_request)
-        await self._backlog.check(self.redis, job_request.lane)
+        choice = await self.choose(job_request.model, job_request.lora)
+        model = choice.model.name
+        job_request, prompt_tokens = await self._admit(job_request, model)
+        await self._backlog.check(self.redis, model, job_request.lane)
         rate = await self.limiter.charge(self._submit_redis(), tenant,
                                          prompt_tokens=prompt_tokens,
                                          max_tokens=job_request.max_tokens)
         if rate is not None and rate_headers is not None:
             rate_headers.update(rate.headers())
-        return job_request.to_job(default_timeout_s=self.settings.default_timeout_s)
+        return job_request.to_job(model=model, adapter=choice.adapter,
+                                  default_timeout_s=self.settings.default_timeout_s)
 
     async def _enqueue(self, job: Job, *, tenant: str, stream_token: str | None = None) -> None:
         hashed = token_hash(stream_token) if stream_token is not None else None
@@ -161,11 +212,11 @@ class SubmitPath:
         # for the client: enqueue sends one EVALSHA (or SCRIPT LOAD first, straight through).
         await enqueue(self._submit_redis(), job,  # type: ignore[arg-type]
                       ttl_s=self.settings.job_ttl_s, owner=tenant, stream_token_hash=hashed)
-        self._backlog.note_enqueued(job.lane)
+        self._backlog.note_enqueued(job.model, job.lane)
 
-    async def _admit(self, job_request: JobRequest) -> tuple[JobRequest, int]:
-        """The request as admitted, and its prompt's token count."""
-        admission = self.admission
+    async def _admit(self, job_request: JobRequest, model: str) -> tuple[JobRequest, int]:
+        """The request as ``model`` admits it, and its prompt's token count."""
+        admission = self.admission_for(model)
         try:
             if admission.is_quick(job_request):
                 return admission.admit(job_request)

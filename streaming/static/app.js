@@ -1,5 +1,6 @@
-// The live page: submit over WS /v1/stream, show the answer token by token, resume a dropped
-// socket from the last event id, and poll GET /v1/queue every second. No dependencies.
+// The live page: submit over WS /v1/stream (on the model and adapter chosen from GET /v1/models),
+// show the answer token by token, resume a dropped socket from the last event id, and poll
+// GET /v1/queue every second. No dependencies.
 // Model text only ever goes into the page as text (Text nodes / textContent), never as HTML.
 "use strict";
 
@@ -10,6 +11,8 @@
     temperature: $("temperature"), apiKey: $("api-key"), send: $("send"),
     outputFormat: $("output-format"), jsonSchema: $("json-schema"),
     jsonSchemaLabel: $("json-schema-label"),
+    model: $("model"), adapter: $("adapter"), modelsRefresh: $("models-refresh"),
+    modelsNote: $("models-note"),
     jobId: $("job-id"), status: $("status"), tokenCount: $("token-count"),
     finishReason: $("finish-reason"), usage: $("usage"), note: $("note"), error: $("error"),
     output: $("output"), queue: $("queue"), queueNote: $("queue-note"), workers: $("workers"),
@@ -19,20 +22,120 @@
   const KEY_STORAGE = "tidegate.apiKey";
   const QUEUE_EVERY_MS = 1000;
   const RESUME_DELAY_MS = 300;
+  const KEY_SETTLE_MS = 400; // the models are reloaded once the key stops changing
 
   // ------------------------------------------------------------------ API key
 
   try {
     el.apiKey.value = localStorage.getItem(KEY_STORAGE) || "";
   } catch (_) { /* storage disabled: the key just is not remembered */ }
+  let keySettling = null;
   el.apiKey.addEventListener("input", () => {
     try {
       const key = el.apiKey.value.trim();
       if (key) localStorage.setItem(KEY_STORAGE, key);
       else localStorage.removeItem(KEY_STORAGE);
     } catch (_) { /* ignore */ }
+    // Which models a caller may list depends on the key.
+    clearTimeout(keySettling);
+    keySettling = setTimeout(loadModels, KEY_SETTLE_MS);
   });
   const apiKey = () => el.apiKey.value.trim();
+
+  function authHeaders() {
+    const key = apiKey();
+    return key ? { Authorization: `Bearer ${key}` } : {};
+  }
+
+  // ------------------------------------------------------------------ model and adapter
+
+  // GET /v1/models lists each base model some live worker serves, followed by its adapters
+  // ("base:name" entries with a parent). The first model is chosen at first. Without a list
+  // (refused, unreachable, empty) the page sends no model field: the default model runs.
+  let modelList = []; // [{id, adapters: [name, ...]}], in the server's order
+  let modelsLoad = 0; // only the latest load fills the selects
+  let served = null; // what the live workers serve, as the queue panel last saw it
+
+  function option(value, label) {
+    const node = document.createElement("option");
+    node.value = value;
+    node.textContent = label;
+    return node;
+  }
+
+  function parseModels(body) {
+    const data = body && Array.isArray(body.data) ? body.data : [];
+    const named = data.filter((m) => m && typeof m.id === "string");
+    const bases = named.filter((m) => !m.parent).map((m) => ({ id: m.id, adapters: [] }));
+    for (const m of named) {
+      const base = bases.find((b) => b.id === m.parent);
+      if (base && m.id.startsWith(`${m.parent}:`)) {
+        base.adapters.push(m.id.slice(m.parent.length + 1));
+      }
+    }
+    return bases;
+  }
+
+  function showModelsNote(text) {
+    el.modelsNote.textContent = text;
+    el.modelsNote.hidden = !text;
+  }
+
+  function fillModels(list, note) {
+    const chosen = el.model.value;
+    modelList = list;
+    el.model.replaceChildren(...(list.length ? list.map((m) => option(m.id, m.id))
+                                             : [option("", "default")]));
+    el.model.disabled = !list.length;
+    if (list.some((m) => m.id === chosen)) el.model.value = chosen;
+    fillAdapters();
+    showModelsNote(note);
+  }
+
+  function fillAdapters() {
+    const chosen = el.adapter.value;
+    const model = modelList.find((m) => m.id === el.model.value);
+    const adapters = model ? model.adapters : [];
+    el.adapter.replaceChildren(option("", "none"), ...adapters.map((a) => option(a, a)));
+    el.adapter.disabled = !adapters.length;
+    if (adapters.includes(chosen)) el.adapter.value = chosen;
+  }
+
+  async function fetchModels() {
+    let response;
+    try {
+      response = await fetch("/v1/models", { headers: authHeaders(), cache: "no-store" });
+    } catch (_) {
+      return [[], "Models unavailable (offline): jobs go to the default model."];
+    }
+    if (!response.ok) {
+      return [[], `Models unavailable (${response.status}): jobs go to the default model.`];
+    }
+    let list;
+    try {
+      list = parseModels(await response.json());
+    } catch (_) {
+      return [[], "Models unreadable: jobs go to the default model."];
+    }
+    return [list, list.length ? "" : "No model is served yet: jobs go to the default model."];
+  }
+
+  async function loadModels() {
+    const load = ++modelsLoad;
+    const [list, note] = await fetchModels();
+    if (load === modelsLoad) fillModels(list, note);
+  }
+
+  // Reload when the queue panel shows a worker (or an adapter) come or go.
+  function noteServed(workers) {
+    const now = [...new Set(workers.map((w) => `${w.model} ${[].concat(w.adapters ?? [])}`))]
+      .sort().join("|");
+    if (served !== null && now !== served) loadModels();
+    served = now;
+  }
+
+  el.model.addEventListener("change", fillAdapters);
+  el.modelsRefresh.addEventListener("click", loadModels);
 
   // ------------------------------------------------------------------ answer panel
 
@@ -103,6 +206,8 @@
     const text = el.prompt.value;
     // A blank prompt has no user message: the server's validation explains what is missing.
     const request = { messages: text.trim() ? [{ role: "user", content: text }] : [] };
+    if (el.model.value) request.model = el.model.value;
+    if (el.model.value && el.adapter.value) request.lora = el.adapter.value;
     const maxTokens = el.maxTokens.value.trim();
     if (maxTokens !== "") request.max_tokens = Number(maxTokens);
     const temperature = el.temperature.value.trim();
@@ -314,11 +419,15 @@
     el.workers.textContent = String(workers.length);
     el.running.textContent = String(q.running ?? 0);
     el.tokensPerS.textContent = Number(q.tokens_per_s ?? 0).toFixed(1);
+    noteServed(workers);
     const partitioned = lanes.some((l) => l.partition > 0);
+    // Several models: each lane row names its model first.
+    const models = new Set(lanes.map((l) => l.model)).size > 1;
     el.lanes.replaceChildren(...(lanes.length ? lanes.map((l) => {
       const tr = document.createElement("tr");
+      const lane = partitioned ? `${l.lane}/${l.partition}` : l.lane;
       tr.append(
-        cell(partitioned ? `${l.lane}/${l.partition}` : l.lane, l.stream),
+        cell(models ? `${l.model} ${lane}` : lane, l.stream),
         cell(String(l.lag)), cell(String(l.pending)), cell(seconds(l.oldest_waiting_s)));
       return tr;
     }) : [placeholderRow("no lanes")]));
@@ -345,11 +454,8 @@
   }
 
   async function pollQueue() {
-    const headers = {};
-    const key = apiKey();
-    if (key) headers.Authorization = `Bearer ${key}`;
     try {
-      const response = await fetch("/v1/queue", { headers, cache: "no-store" });
+      const response = await fetch("/v1/queue", { headers: authHeaders(), cache: "no-store" });
       if (response.status === 401) staleQueue("auth needed");
       else if (!response.ok) staleQueue(`unavailable (${response.status})`);
       else renderQueue(await response.json());
@@ -363,6 +469,7 @@
   // For tests and the curious: the job shown now (its socket, last event id, resumes).
   window.tidegate = { get job() { return job; } };
 
+  loadModels();
   pollQueue();
   el.prompt.focus();
 })();

@@ -17,6 +17,7 @@ import yaml
 
 from tidegate import keys
 from tidegate.commands.cli import build_parser
+from tidegate.model_files.served_model import served_models
 from tidegate.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,19 +196,30 @@ def test_prometheus_scrapes_every_role_where_it_listens() -> None:
     assert targets == expected
 
 
-def test_keda_scales_the_worker_on_the_real_streams_and_group() -> None:
-    doc = yaml.safe_load((COMPOSE / "k8s" / "keda-scaledobject.yaml").read_text())
-    deployments = {d["metadata"]["name"] for d in k8s_docs() if d["kind"] == "Deployment"}
-    assert doc["spec"]["scaleTargetRef"]["name"] in deployments
-    streams = set()
-    for trigger in doc["spec"]["triggers"]:
-        meta = trigger["metadata"]
-        assert trigger["type"] == "redis-streams"
-        assert meta["consumerGroup"] == keys.CONSUMER_GROUP
-        assert int(meta["lagCount"]) >= 1 and int(meta["activationLagCount"]) >= 1
-        assert meta["addressFromEnv"] in OTHER_ENV
-        streams.add(meta["stream"])
-    assert streams == {keys.lane_stream(lane, 0) for lane in keys.LANES}
+def test_keda_scales_each_model_s_workers_on_its_real_streams_and_group() -> None:
+    """One ScaledObject per served model (config.yaml's TIDEGATE_MODELS), on the lane streams
+    of the model its Deployment's workers serve."""
+    config = next(d for d in k8s_docs() if d["kind"] == "ConfigMap")["data"]
+    served = {m.name for m in served_models(Settings(models=config["TIDEGATE_MODELS"]))}
+    deployments = {d["metadata"]["name"]: d for d in k8s_docs() if d["kind"] == "Deployment"}
+    scaled = [d for d in yaml.safe_load_all(
+        (COMPOSE / "k8s" / "keda-scaledobject.yaml").read_text()) if d]
+    covered = set()
+    for doc in scaled:
+        target = deployments[doc["spec"]["scaleTargetRef"]["name"]]
+        [container] = target["spec"]["template"]["spec"]["containers"]
+        [model] = served_models(Settings(models=[option(container["args"], "--model")]))
+        streams = set()
+        for trigger in doc["spec"]["triggers"]:
+            meta = trigger["metadata"]
+            assert trigger["type"] == "redis-streams"
+            assert meta["consumerGroup"] == keys.CONSUMER_GROUP
+            assert int(meta["lagCount"]) >= 1 and int(meta["activationLagCount"]) >= 1
+            assert meta["addressFromEnv"] in OTHER_ENV
+            streams.add(meta["stream"])
+        assert streams == {keys.lane_stream(model.name, lane, 0) for lane in keys.LANES}
+        covered.add(model.name)
+    assert covered == served
     ttft = yaml.safe_load((COMPOSE / "k8s" / "keda-scaledobject-ttft.yaml").read_text())
     assert "tidegate_time_to_first_token_seconds_bucket" in ttft["spec"]["triggers"][0][
         "metadata"]["query"]

@@ -18,6 +18,7 @@ from tidegate.http.auth import Auth
 from tidegate.settings import Settings
 
 MODEL = "random:tiny"  # byte-level tokenizer, 2048-token context: long prompts are cheap to make
+SERVED = "random_tiny"  # its served name (the spec made key-safe): its lanes are named after it
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,7 @@ async def test_submit_answers_202_and_queues_the_job(
     assert response.headers["location"] == f"/v1/jobs/{job_id}"
     assert len(token) >= 43  # 32 random bytes, urlsafe base64
 
-    [(_, fields)] = await aredis.xrange(keys.lane_stream("interactive"))
+    [(_, fields)] = await aredis.xrange(keys.lane_stream("random_tiny", "interactive"))
     job = Job.model_validate_json(fields["job"])
     assert (job.id, job.prompt, job.sampling.max_tokens) == (job_id, "hello", 8)
     record = await aredis.hgetall(keys.job_hash(job_id))
@@ -59,7 +59,7 @@ async def test_priority_reaches_the_enqueued_job(
         http: httpx.AsyncClient, aredis: aioredis.Redis, priority: int) -> None:
     response = await http.post("/v1/jobs", json={"prompt": "hi", "priority": priority})
     assert response.status_code == 202, response.text
-    [(_, fields)] = await aredis.xrange(keys.lane_stream("interactive"))
+    [(_, fields)] = await aredis.xrange(keys.lane_stream("random_tiny", "interactive"))
     assert Job.model_validate_json(fields["job"]).priority == priority
 
 
@@ -69,7 +69,7 @@ async def test_unset_max_tokens_is_capped_to_the_room_the_prompt_leaves(
     prompt = "y" * (context - 100)  # byte-level model: about one token per character
     response = await http.post("/v1/jobs", json={"prompt": prompt})
     assert response.status_code == 202, response.text
-    [(_, fields)] = await aredis.xrange(keys.lane_stream("interactive"))
+    [(_, fields)] = await aredis.xrange(keys.lane_stream("random_tiny", "interactive"))
     job = Job.model_validate_json(fields["job"])
     room = context - len(admission.tokenizer.encode_prompt(prompt, None))
     assert 0 < room < 256 and job.sampling.max_tokens == room
@@ -80,8 +80,8 @@ async def test_submit_chat_messages_to_the_batch_lane(
     body = {"messages": [{"role": "user", "content": "hi"}], "lane": "batch"}
     response = await http.post("/v1/jobs", json=body)
     assert response.status_code == 202, response.text
-    assert await aredis.xlen(keys.lane_stream("batch")) == 1
-    assert await aredis.xlen(keys.lane_stream("interactive")) == 0
+    assert await aredis.xlen(keys.lane_stream("random_tiny", "batch")) == 1
+    assert await aredis.xlen(keys.lane_stream("random_tiny", "interactive")) == 0
 
 
 async def test_get_reads_the_status_then_the_finished_result(
@@ -205,6 +205,7 @@ async def test_readiness_and_queue_metrics(http: httpx.AsyncClient) -> None:
     r = await http.get("/metrics")
     assert r.status_code == 200 and "text/plain" in r.headers["content-type"]
     lag = [line for line in r.text.splitlines()
-           if line.startswith('tidegate_queue_lag{lane="interactive",partition="0"}')]
+           if line.startswith('tidegate_queue_lag{lane="interactive",model="random_tiny",'
+                              'partition="0"}')]
     assert lag and float(lag[0].split()[-1]) >= 1
     assert "tidegate_redis_up 1.0" in r.text

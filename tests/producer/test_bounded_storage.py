@@ -45,7 +45,7 @@ async def http(bounded_server: str, redis_url: str) -> AsyncIterator[httpx.Async
 
 
 async def queued_job(aredis: aioredis.Redis) -> Job:
-    [(_, fields)] = await aredis.xrange(keys.lane_stream("interactive"))
+    [(_, fields)] = await aredis.xrange(keys.lane_stream("random_tiny", "interactive"))
     return Job.model_validate_json(fields["job"])
 
 
@@ -57,7 +57,7 @@ async def test_max_tokens_beyond_the_services_bound_is_refused_naming_the_field(
     error = response.json()["error"]
     assert error["fields"][0]["field"] == "max_tokens"
     assert str(MAX_OUTPUT) in error["fields"][0]["reason"]
-    assert await aredis.xlen(keys.lane_stream("interactive")) == 0  # nothing stored
+    assert await aredis.xlen(keys.lane_stream("random_tiny", "interactive")) == 0  # nothing stored
     response = await http.post("/v1/jobs", json={"prompt": "hi", "max_tokens": MAX_OUTPUT})
     assert response.status_code == 202, response.text
     assert (await queued_job(aredis)).sampling.max_tokens == MAX_OUTPUT

@@ -47,7 +47,7 @@ class FakeWorker:
         last = "0"
         while True:
             for _, entries in await self.redis.xread(
-                    {keys.lane_stream("interactive"): last}, block=1000):
+                    {keys.lane_stream("random_tiny", "interactive"): last}, block=1000):
                 for entry_id, fields in entries:
                     last = entry_id
                     await self.serve(Job.model_validate_json(fields[JOB_FIELD]))

@@ -44,7 +44,7 @@ async def test_generate_frame_enqueues_and_streams_the_job_on_the_same_socket(
         accepted = json.loads(await ws.recv())
         assert accepted["type"] == "accepted" and accepted["status"] == "queued"
         job_id = accepted["id"]
-        [(_, fields)] = await aredis.xrange(keys.lane_stream("interactive"))
+        [(_, fields)] = await aredis.xrange(keys.lane_stream("random_tiny", "interactive"))
         assert Job.model_validate_json(fields["job"]).id == job_id
         assert json.loads(await ws.recv())["type"] == "queued"
         await publish(aredis, job_id, job_events(job_id, 5))

@@ -76,5 +76,5 @@ async def test_streams_whose_clients_leave_at_once_all_cancel_their_jobs(
 
 
 async def job_ids(aredis: aioredis.Redis) -> list[str]:
-    entries = await aredis.xrange(keys.lane_stream("interactive"))
+    entries = await aredis.xrange(keys.lane_stream("random_tiny", "interactive"))
     return [json.loads(fields["job"])["id"] for _, fields in entries]

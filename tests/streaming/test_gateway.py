@@ -42,7 +42,7 @@ def gateway(gateway_server: str, redis_url: str) -> str:
 @pytest.fixture
 async def job_id(aredis: aioredis.Redis) -> str:
     """A queued job: its record and its ``queued`` event (id 1) are stored."""
-    job = JobRequest(prompt="hello").to_job(default_timeout_s=60)
+    job = JobRequest(prompt="hello").to_job(model="random_tiny", default_timeout_s=60)
     await enqueue(aredis, job)
     return job.id
 

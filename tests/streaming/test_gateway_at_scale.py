@@ -54,7 +54,7 @@ def gateway(gateway_http: str, redis_url: str) -> str:
 async def new_job(redis: aioredis.Redis, *, shard: int | None = None) -> str:
     """A queued job; with ``shard``, one whose events travel on that live channel."""
     while True:
-        job = JobRequest(prompt="hello").to_job(default_timeout_s=60)
+        job = JobRequest(prompt="hello").to_job(model="random_tiny", default_timeout_s=60)
         if shard is None or keys.live_shard(job.id) == shard:
             break
     await enqueue(redis, job)
@@ -391,15 +391,18 @@ async def test_queue_view_counts_waiting_jobs_and_live_workers(
     for _ in range(3):
         await new_job(aredis)
     await aredis.set("tidegate:worker:{w-1}", json.dumps(
-        {"running": 2, "waiting": 1, "tokens_per_s": 41.5, "kv_usage": 0.25}), ex=15)
+        {"running": 2, "waiting": 1, "tokens_per_s": 41.5, "kv_usage": 0.25,
+         "model": "random_tiny", "adapters": ["a1"]}), ex=15)
     async with httpx.AsyncClient(timeout=10) as http:
         body = (await http.get(f"{gateway_http}/v1/queue")).json()
     lanes = {lane["lane"]: lane for lane in body["lanes"]}
+    assert {lane["model"] for lane in body["lanes"]} == {"random_tiny"}  # the model Redis names
     assert lanes["interactive"]["lag"] == 3 and lanes["interactive"]["pending"] == 0
     assert lanes["interactive"]["oldest_waiting_s"] is not None
     assert lanes["batch"]["lag"] == 0 and lanes["batch"]["oldest_waiting_s"] is None
     assert body["workers"] == [{"worker_id": "w-1", "running": 2, "waiting": 1,
-                                "tokens_per_s": 41.5, "kv_usage": 0.25}]
+                                "tokens_per_s": 41.5, "kv_usage": 0.25,
+                                "model": "random_tiny", "adapters": ["a1"]}]
     assert (body["running"], body["tokens_per_s"]) == (2, 41.5)
 
 
@@ -411,7 +414,7 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
 async def test_metrics_and_readiness_follow_the_queue_and_redis(
         gateway_http: str, aredis: aioredis.Redis, redis_server: RedisServer) -> None:
     """What Prometheus scrapes and a readiness probe sees, with Redis up and then down."""
-    await aredis.delete(keys.lane_stream("interactive"))
+    await aredis.delete(keys.lane_stream("random_tiny", "interactive"))
     for _ in range(3):
         await new_job(aredis)
     await aredis.set("tidegate:worker:{w-2}", json.dumps({"running": 1}), ex=15)
@@ -421,7 +424,7 @@ async def test_metrics_and_readiness_follow_the_queue_and_redis(
         r = await http.get(f"{gateway_http}/metrics")
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         m = samples(r.text)
-        interactive = (("lane", "interactive"), ("partition", "0"))
+        interactive = (("lane", "interactive"), ("model", "random_tiny"), ("partition", "0"))
         assert m[("tidegate_queue_lag", interactive)] == 3
         assert m[("tidegate_queue_length", interactive)] == 3
         assert m[("tidegate_queue_pending", interactive)] == 0

@@ -61,7 +61,7 @@ def gateway(gateway_http: str, redis_url: str) -> str:
 
 @pytest.fixture
 async def job_id(aredis: aioredis.Redis) -> str:
-    job = JobRequest(prompt="hello").to_job(default_timeout_s=60)
+    job = JobRequest(prompt="hello").to_job(model="random_tiny", default_timeout_s=60)
     await enqueue(aredis, job)
     return job.id
 
@@ -193,7 +193,7 @@ async def test_a_client_that_stops_reading_is_cut_with_1013_within_seconds(
         hub = app.state.gateway.hub
         base = http.replace("http://", "ws://")
         redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
-        job = JobRequest(prompt="hello").to_job(default_timeout_s=60)
+        job = JobRequest(prompt="hello").to_job(model="random_tiny", default_timeout_s=60)
         await enqueue(redis, job)
         url = stream_url(base, job.id)
         # max_queue=1: once a frame waits unread, the client library stops reading its socket.
@@ -256,7 +256,7 @@ async def test_a_cut_client_that_never_reads_again_is_dropped_after_the_grace(
     with serve(app) as http:
         port = int(http.rsplit(":", 1)[1])
         redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
-        job = JobRequest(prompt="hello").to_job(default_timeout_s=60)
+        job = JobRequest(prompt="hello").to_job(model="random_tiny", default_timeout_s=60)
         await enqueue(redis, job)
         sock = socket.socket()  # a tiny receive buffer: the kernel's buffers fill soon
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

@@ -14,13 +14,13 @@ from tidegate.protocol import JobRequest
 
 pytestmark = pytest.mark.timeout(30)
 
-LANE = keys.lane_stream("interactive")
+LANE = keys.lane_stream("random_tiny", "interactive")
 
 
 async def enqueue_jobs(aredis: aioredis.Redis, n: int) -> list[str]:
     ids = []
     for i in range(n):
-        job = JobRequest(prompt=f"job {i}", max_tokens=1).to_job(default_timeout_s=60)
+        job = JobRequest(prompt=f"job {i}", max_tokens=1).to_job(model="random_tiny", default_timeout_s=60)
         await enqueue(aredis, job)
         ids.append(job.id)
     return ids

@@ -24,10 +24,10 @@ from tidegate.protocol import (
 
 def test_job_request_defaults_and_deadline_from_timeout() -> None:
     req = JobRequest(prompt="hi", timeout_s=5)
-    job = req.to_job(default_timeout_s=300)
+    job = req.to_job(model="random_tiny", default_timeout_s=300)
     assert job.deadline_ms - job.created_ms == 5000
     assert job.sampling.temperature == 0.0 and job.lane == "interactive"
-    assert JobRequest(prompt="hi").to_job(default_timeout_s=2).deadline_ms - job.created_ms < 2100
+    assert JobRequest(prompt="hi").to_job(model="random_tiny", default_timeout_s=2).deadline_ms - job.created_ms < 2100
 
 
 @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ def test_new_sampling_fields_reach_the_job() -> None:
               "frequency_penalty": 2, "logprobs": 20, "stop_token_ids": [0, 2], "ignore_eos": True}
     req = JobRequest(prompt="x", **fields)
     assert req.sampling().model_dump(include=set(fields)) == fields
-    job = req.to_job(default_timeout_s=1)
+    job = req.to_job(model="random_tiny", default_timeout_s=1)
     assert Job.model_validate_json(job.model_dump_json()).sampling == req.sampling()
     assert SamplingParams(logprobs=0).logprobs == 0
 
@@ -113,7 +113,7 @@ def test_token_event_carries_optional_logprobs() -> None:
 
 
 def test_job_round_trips_through_json() -> None:
-    job = JobRequest(messages=[{"role": "user", "content": "é"}], seed=3).to_job(default_timeout_s=1)
+    job = JobRequest(messages=[{"role": "user", "content": "é"}], seed=3).to_job(model="random_tiny", default_timeout_s=1)
     assert Job.model_validate_json(job.model_dump_json()) == job
 
 
@@ -132,7 +132,7 @@ def test_all_keys_of_a_job_share_one_hash_tag() -> None:
     shards = {keys.live_shard(f"job{i}") for i in range(1000)}
     assert shards == set(range(keys.LIVE_SHARDS))
     assert keys.live_shard("abc") == 2 and keys.job_live_channel("abc") == "tidegate:live:{s2}"
-    assert keys.lane_stream("batch", 0) != keys.lane_stream("batch", 1)
+    assert keys.lane_stream("random_tiny", "batch", 0) != keys.lane_stream("random_tiny", "batch", 1)
     assert keys.is_valid_job_id("a-b_c") and not keys.is_valid_job_id("a b") and not keys.is_valid_job_id("")
 
 

@@ -38,11 +38,16 @@ def _settings(args: argparse.Namespace):  # -> Settings
 
     from tidegate.settings import load_settings
 
-    fields = ("redis_url", "model", "device", "dtype", "max_num_seqs", "max_num_batched_tokens",
+    fields = ("redis_url", "device", "dtype", "max_num_seqs", "max_num_batched_tokens",
               "kv_cache_gb", "kv_cache_dtype", "cuda_graphs", "weights", "quantize",
-              "cpu_activations", "host", "port", "log_level")
+              "cpu_activations", "host", "port", "log_level", "models_file", "max_loras",
+              "max_lora_rank")
+    overrides = {f: getattr(args, f, None) for f in fields}
+    # --model (repeatable) and --lora (repeatable): lists, None when not given.
+    overrides["models"] = getattr(args, "model", None) or None
+    overrides["loras"] = getattr(args, "lora", None) or None
     try:
-        return load_settings(**{f: getattr(args, f, None) for f in fields})
+        return load_settings(**overrides)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise CliError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
@@ -62,13 +67,21 @@ def _check_keys_file(path: str | None) -> None:
         raise CliError(f"cannot read the keys file {path}: {exc}") from None
 
 
-def _check_model(spec: str) -> None:
+def _check_models(settings, *, engine: bool = False) -> list:  # noqa: ANN001 - lazily typed
+    """The served models (``--model``, ``--models-file``, ``--lora``), each spec found and,
+    with ``engine``, each one's engine options checked against the device."""
     from tidegate.model_files.model_source import ModelLoadError, resolve_model
+    from tidegate.model_files.served_model import ServedModelError, served_models
 
     try:
-        resolve_model(spec)
-    except ModelLoadError as exc:
+        models = served_models(settings)
+        for model in models:
+            resolve_model(model.spec)
+            if engine:
+                _check_engine(model.settings(settings))
+    except (ModelLoadError, ServedModelError) as exc:
         raise CliError(str(exc)) from None
+    return models
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -76,8 +89,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     _check_keys_file(settings.api_keys_file)
-    _check_model(settings.model)
-    _check_engine(settings)
+    _check_models(settings, engine=True)
     explicit = args.redis_url or os.environ.get("TIDEGATE_REDIS_URL") or os.environ.get("REDIS_URL")
     return run_up(settings, explicit)
 
@@ -111,15 +123,15 @@ def _check_device(device: str) -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from tidegate.model_files.model_source import ModelLoadError
+    from worker.service.adapter_loader import AdapterLoadError
     from worker.service.service import serve
 
     settings = _settings(args)
-    _check_model(settings.model)
-    _check_engine(settings)
+    _check_models(settings, engine=True)
     try:
         return asyncio.run(serve(settings))
-    except ModelLoadError as exc:  # found while loading: a tensor, a format, --quantize
-        raise CliError(str(exc)) from None
+    except (ModelLoadError, AdapterLoadError) as exc:  # found while loading: a tensor, a
+        raise CliError(str(exc)) from None  # format, --quantize, a --lora directory
 
 
 def cmd_api(args: argparse.Namespace) -> int:
@@ -128,7 +140,7 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     _check_keys_file(settings.api_keys_file)
-    _check_model(settings.model)
+    _check_models(settings)
     # No access log line per request unless asked for: at thousands of submits/s uvicorn's
     # access log (and the credential filter on it) took ~7% of the API's CPU.
     return serve_asgi(create_app(settings), settings, access_log=args.access_log)
@@ -167,7 +179,7 @@ async def _submit(args: argparse.Namespace) -> int:
     params = {k: v for k, v in {
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "seed": args.seed, "stop": args.stop or None,
-        "timeout_s": args.timeout, "lane": args.lane,
+        "timeout_s": args.timeout, "lane": args.lane, "model": args.model, "lora": args.lora,
     }.items() if v is not None}
     # The key comes from the environment only: argv is visible to every user of the machine.
     async with Client(args.url, api_key=os.environ.get("TIDEGATE_API_KEY") or None) as client:
@@ -302,10 +314,20 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_models(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", action="append", metavar="[NAME=]SPEC",
+                   help="a model to serve: smollm2 (default) | HF directory | .gguf | "
+                        "random:<preset>, optionally named (NAME=SPEC); repeat it to serve "
+                        "several, the first being the default (env TIDEGATE_MODELS, comma list)")
+    p.add_argument("--models-file", help="a TOML or JSON file of models to serve, each "
+                                         "{name?, spec, aliases?, engine?, loras?} (overrides "
+                                         "--model)")
+
+
 def _add_common(p: argparse.ArgumentParser, *, model: bool = True, serve: bool = True) -> None:
     p.add_argument("--redis-url", help="Redis URL (env TIDEGATE_REDIS_URL or REDIS_URL)")
     if model:
-        p.add_argument("--model", help="smollm2 (default) | HF directory | .gguf | random:<preset>")
+        _add_models(p)
     if serve:
         p.add_argument("--host", help="bind address (default 127.0.0.1)")
         p.add_argument("--port", type=int, help="port (default 8000)")
@@ -344,6 +366,13 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                         "scale each, 3.8x float32's tokens, a third of the attention's reads)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False,
                    help="cuda: run decode steps eagerly instead of replaying CUDA graphs")
+    p.add_argument("--lora", action="append", metavar="NAME=PATH",
+                   help="a LoRA adapter (PEFT directory) of the first model, loaded at start "
+                        "and registered for the API (repeatable)")
+    p.add_argument("--max-loras", type=int,
+                   help="LoRA adapters resident on the device at once (default 4; 0: off)")
+    p.add_argument("--max-lora-rank", type=int, help="the largest adapter rank, 1..64 "
+                                                     "(default 16)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -386,13 +415,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--timeout", type=float, help="seconds until the job's deadline")
     p.add_argument("--lane", choices=["interactive", "batch"])
+    p.add_argument("--model", help="a served model's name or alias, or BASE:ADAPTER "
+                                   "(default: the deployment's first model)")
+    p.add_argument("--lora", help="a LoRA adapter registered on the model")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("queue", help="inspect the job queue")
     queue_sub = p.add_subparsers(dest="queue_command", required=True, metavar="SUBCOMMAND")
     q = queue_sub.add_parser(
-        "stats", help="per lane: length, lag, pending, consumers, oldest job; live workers")
+        "stats", help="per model and lane: length, lag, pending, consumers, oldest job; "
+                      "live workers and their models")
     q.add_argument("--redis-url", help="default: env TIDEGATE_REDIS_URL or REDIS_URL, "
                                       "else redis://127.0.0.1:6379/0")
     q.add_argument("--partitions", type=int,
@@ -463,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", help="default: env TIDEGATE_REDIS_URL or REDIS_URL")
     p.add_argument("--status-port", type=int, default=9401,
                    help="/healthz and /readyz on TIDEGATE_HOST (default 9401; 0: off)")
+    _add_models(p)
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
     p.set_defaults(func=cmd_batch_worker)
     return parser
@@ -481,7 +515,7 @@ def cmd_queue_stats(args: argparse.Namespace) -> int:
 
     async def snapshot() -> dict:
         redis = connect(settings.redis_url)
-        try:
+        try:  # the models Redis names: no model file is needed to look at the queue
             return (await queue_stats(redis, partitions)).to_dict()
         finally:
             await redis.aclose()
@@ -494,21 +528,24 @@ def cmd_queue_stats(args: argparse.Namespace) -> int:
         print(json.dumps(stats, indent=1))
         return 0
     now_ms = stats["taken_ms"]
-    print(f"{'lane':<12} {'part':>4} {'length':>7} {'lag':>6} {'pending':>7} {'consumers':>9}"
-          f"  oldest waiting")
+    width = max([len(lane["model"]) for lane in stats["lanes"]] + [5])
+    print(f"{'model':<{width}} {'lane':<12} {'part':>4} {'length':>7} {'lag':>6} {'pending':>7} "
+          f"{'consumers':>9}  oldest waiting")
     for lane in stats["lanes"]:
         oldest = lane["oldest_waiting_s"]
-        print(f"{lane['lane']:<12} {lane['partition']:>4} {lane['length']:>7} {lane['lag']:>6} "
-              f"{lane['pending']:>7} {lane['consumers']:>9}  "
-              f"{'-' if oldest is None else f'{oldest:.1f} s'}")
+        print(f"{lane['model']:<{width}} {lane['lane']:<12} {lane['partition']:>4} "
+              f"{lane['length']:>7} {lane['lag']:>6} {lane['pending']:>7} "
+              f"{lane['consumers']:>9}  {'-' if oldest is None else f'{oldest:.1f} s'}")
     workers = stats["workers"]
     print(f"\nworkers: {len(workers)} live (heartbeat within the last "
           f"{WORKER_HEARTBEAT_TTL_S} s)")
     if workers:
-        print(f"{'worker':<28} {'running':>7} {'waiting':>7} {'tok/s':>8} {'KV used':>8}")
+        print(f"{'worker':<28} {'model':<{width}} {'running':>7} {'waiting':>7} {'tok/s':>8} "
+              f"{'KV used':>8}  adapters")
         for w in workers:
-            print(f"{w['worker_id']:<28} {w['running']:>7} {w['waiting']:>7} "
-                  f"{w['tokens_per_s']:>8.1f} {100 * w['kv_usage']:>7.0f}%")
+            print(f"{w['worker_id']:<28} {w['model'] or '-':<{width}} {w['running']:>7} "
+                  f"{w['waiting']:>7} {w['tokens_per_s']:>8.1f} {100 * w['kv_usage']:>7.0f}%  "
+                  f"{', '.join(w['adapters']) or '-'}")
     print(f"total: {stats['running']} running, {stats['tokens_per_s']} tok/s "
           f"(at {time.strftime('%H:%M:%S', time.localtime(now_ms / 1000))})")
     return 0
@@ -614,9 +651,11 @@ def cmd_batch_worker(args: argparse.Namespace) -> int:
     from redis.exceptions import RedisError
 
     from producer.batches.batch_worker import make_worker, redis_check
+    from tidegate.model_files.model_catalog import ModelCatalog
     from tidegate.operations.status_server import StatusServer
 
     settings = _settings(args)
+    catalog = ModelCatalog(_check_models(settings))
     status = None
     if args.status_port:  # /healthz, /readyz (Redis answers) for probes
         status = StatusServer(settings.host, args.status_port,
@@ -626,7 +665,7 @@ def cmd_batch_worker(args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                make_worker(settings.redis_url).run()  # returns on SIGTERM / SIGINT
+                make_worker(settings.redis_url, catalog).run()  # returns on SIGTERM / SIGINT
                 return 0
             except (RedisError, OSError) as exc:
                 # arq's worker ends when its Redis connection breaks (a Redis restart): start a

@@ -1,7 +1,8 @@
 """`tidegate up`: the whole stack on one machine.
 
 Redis comes from the given URL, else a ``redis-server`` started on a free port, else an embedded
-fakeredis server (with a warning). One worker runs as a child process; the HTTP API and the
+fakeredis server (with a warning). One worker process runs as a child, serving every model
+(``--model`` repeated, ``--models-file``; one engine each) with their ``--lora`` adapters; the HTTP API and the
 WebSocket gateway share one port in this process. This module is the composition root, so it is
 the one place in ``tidegate/`` that imports the roles (lazily, inside functions).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -25,6 +27,7 @@ import redis
 
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
+from tidegate.model_files.served_model import served_models
 from tidegate.redis_conn import redacted
 from tidegate.settings import Settings
 
@@ -127,11 +130,22 @@ def combined_app(settings: Settings):  # -> Starlette
                      exception_handlers=dict(api.exception_handlers))
 
 
+def _model_env(settings: Settings) -> dict[str, str]:
+    """The served models as the child processes read them: the API's list, exactly."""
+    env = {"TIDEGATE_MODEL": settings.model, "TIDEGATE_MODELS": json.dumps(settings.models),
+           "TIDEGATE_LORAS": json.dumps(settings.loras)}
+    if settings.models_file:
+        env["TIDEGATE_MODELS_FILE"] = settings.models_file
+    return env
+
+
 def _spawn_worker(settings: Settings) -> subprocess.Popen:
     env = dict(os.environ)
     # The URL goes through the environment, not argv: it may hold a password.
     env["TIDEGATE_REDIS_URL"] = settings.redis_url
-    env["TIDEGATE_MODEL"] = settings.model
+    env.update(_model_env(settings))
+    env["TIDEGATE_MAX_LORAS"] = str(settings.max_loras)
+    env["TIDEGATE_MAX_LORA_RANK"] = str(settings.max_lora_rank)
     env["TIDEGATE_DEVICE"] = settings.device
     env["TIDEGATE_DTYPE"] = settings.dtype
     env["TIDEGATE_WEIGHTS"] = settings.weights
@@ -158,6 +172,7 @@ def _spawn_batch_worker(settings: Settings) -> subprocess.Popen | None:
         client.close()
     env = dict(os.environ)
     env["TIDEGATE_REDIS_URL"] = settings.redis_url
+    env.update(_model_env(settings))  # a batch line's model resolves as the API's would
     return subprocess.Popen([sys.executable, "-m", "tidegate", "batch-worker",
                              "--log-level", "WARNING"], env=env)
 
@@ -217,8 +232,9 @@ async def _serve(settings: Settings) -> int:
     async def announce() -> None:
         if await _wait_for_worker(settings, worker):
             base = f"http://{settings.host}:{settings.port}"
+            names = ", ".join(m.name for m in served_models(settings))
             print(f"tidegate is up: {base}  (redis {redacted(settings.redis_url)}, "
-                  f"model {settings.model})\n  try: tidegate submit \"What is the capital of "
+                  f"models {names})\n  try: tidegate submit \"What is the capital of "
                   f"France? Answer in one sentence.\" --stream", flush=True)
 
     announcer = asyncio.create_task(announce())

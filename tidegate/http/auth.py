@@ -3,7 +3,8 @@
 A caller presents ``Authorization: Bearer <key>``; the key maps to a tenant id (a hash prefix,
 never the key), which owns the jobs it submits. A job's stream token lets a browser, which
 cannot set WebSocket headers, watch that one job. With no key configured auth is off: every
-caller is the tenant ``anonymous``. Keys, tokens and what derives from them are kept out of
+caller is the tenant ``anonymous``. Admin keys (``admin_keys``, or ``admin`` on a keys-file
+line) may also call the admin routes; with auth off those are open too. Keys, tokens and what derives from them are kept out of
 the logs: each is handed to ``tidegate.log_redactor`` as it becomes known.
 """
 
@@ -101,12 +102,15 @@ class Auth:
     """The configured API keys, and the checks every route makes with them."""
 
     def __init__(self, api_keys: Iterable[str] = (), *,
-                 limits: Mapping[str, KeyLimits] | None = None):
-        api_keys = list(api_keys)
+                 limits: Mapping[str, KeyLimits] | None = None,
+                 admin_keys: Iterable[str] = ()):
+        admin_keys = list(admin_keys)
+        api_keys = [*api_keys, *admin_keys]  # an admin key is an API key too
         for key in api_keys:
             remember_key(key)
         # Digests, so every comparison runs over equal lengths whatever the key's length.
         self._keys = [(hashlib.sha256(k.encode()).digest(), tenant_of(k)) for k in api_keys]
+        self._admins = frozenset(tenant_of(k) for k in admin_keys)
         # Per-key rate limits (by key here, by tenant from then on: the key is not kept).
         self.limits: dict[str, KeyLimits] = {tenant_of(k): v for k, v in (limits or {}).items()}
         self._started = False
@@ -116,12 +120,13 @@ class Auth:
         """Keys from ``api_keys`` and ``api_keys_file`` (``tidegate.http.key_file``: one a line,
         ``#`` comments, optional per-key limits; a key's later line wins)."""
         api_keys = list(settings.api_keys)
+        admin_keys = list(settings.admin_keys)
         limits: dict[str, KeyLimits] = {}
         if settings.api_keys_file:
             for entry in read_key_file(settings.api_keys_file):
-                api_keys.append(entry.key)
+                (admin_keys if entry.admin else api_keys).append(entry.key)
                 limits[entry.key] = entry.limits
-        return cls(api_keys, limits=limits)
+        return cls(api_keys, limits=limits, admin_keys=admin_keys)
 
     @property
     def enabled(self) -> bool:
@@ -151,6 +156,15 @@ class Auth:
         if found is None:
             raise Unauthorized("unknown API key")
         return found
+
+    def admin(self, authorization: str | None) -> str:
+        """The caller's tenant if it may call the admin routes: ``Unauthorized`` without a
+        valid key, ``Forbidden`` for a key that is not an admin's. Auth off: anyone may."""
+        tenant = self.tenant(authorization)
+        if self.enabled and tenant not in self._admins:
+            raise Forbidden("this route needs an admin key (TIDEGATE_ADMIN_KEYS, or 'admin' "
+                            "on the key's line of the keys file)")
+        return tenant
 
     def check_owner(self, tenant: str, access: JobAccess) -> None:
         """``Forbidden`` unless ``tenant`` owns the job (anyone does while auth is off)."""

@@ -5,8 +5,10 @@ optionally the key's own rate limits after it as ``name=value`` words::
     tg-ops-3f9c1e7a5b2d4f60
     tg-acme-8d2b6f0a4c1e3b5d  requests_per_s=5 tokens_per_min=40000
     tg-batchy-0a4c1e3b5d7f9a0c  tokens_per_min=unlimited
+    tg-root-5e1a9c3f7b2d4e6a  admin
 
-A line holding only a key means what it always did. A limit left out takes its default from
+A line holding only a key means what it always did. The word ``admin`` lets the key call the
+admin routes too (``POST /v1/adapters``). A limit left out takes its default from
 the settings (``TIDEGATE_RATE_LIMIT_*``); ``unlimited`` lifts it for that key. A malformed line
 is refused at start-up naming its line number, never the key. Plain Python, no I/O but a read.
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 # Limits a key's line may set.
 LIMIT_NAMES = ("requests_per_s", "tokens_per_min")
 UNLIMITED = math.inf
+ADMIN_WORD = "admin"
 
 
 class KeyFileError(ValueError):
@@ -38,9 +41,10 @@ class KeyLimits:
 class KeyEntry:
     key: str
     limits: KeyLimits = KeyLimits()
+    admin: bool = False  # may call the admin routes
 
     def __repr__(self) -> str:  # never the key, should an entry end up in a log or a traceback
-        return f"KeyEntry(key=<redacted>, limits={self.limits!r})"
+        return f"KeyEntry(key=<redacted>, limits={self.limits!r}, admin={self.admin})"
 
 
 def read_key_file(path: str | Path) -> list[KeyEntry]:
@@ -54,7 +58,11 @@ def parse_key_lines(text: str) -> list[KeyEntry]:
         words = line.split()
         if not words or words[0].startswith("#"):
             continue
-        entries.append(KeyEntry(words[0], _limits(words[1:], number)))
+        admin = ADMIN_WORD in words[1:]
+        rest = [w for w in words[1:] if w != ADMIN_WORD]
+        if words[1:].count(ADMIN_WORD) > 1:
+            raise KeyFileError(f"keys file line {number}: {ADMIN_WORD} is given twice")
+        entries.append(KeyEntry(words[0], _limits(rest, number), admin))
     return entries
 
 
@@ -65,7 +73,8 @@ def _limits(words: list[str], number: int) -> KeyLimits:
         if not sep or name not in LIMIT_NAMES:
             # The word is not quoted: it may be part of a key someone wrote with a space.
             raise KeyFileError(f"keys file line {number}, word {place}: after the key only "
-                               f"{' and '.join(n + '=N' for n in LIMIT_NAMES)} may follow")
+                               f"{' and '.join(n + '=N' for n in LIMIT_NAMES)} or "
+                               f"{ADMIN_WORD} may follow")
         if name in values:
             raise KeyFileError(f"keys file line {number}: {name} is given twice")
         values[name] = _value(name, raw, number)

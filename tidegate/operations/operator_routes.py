@@ -1,6 +1,7 @@
 """``GET /metrics`` and ``GET /readyz`` for the API and the gateway (the worker has its own port).
 
-Both roles can see the whole queue in Redis, so both export it: per lane partition the stream's
+Both roles can see the whole queue in Redis, so both export it: per model and lane partition
+(labels ``model``, ``lane``, ``partition``) the stream's
 length, lag, pending and consumers and the oldest waiting job's age (from XINFO, sampled at
 scrape time, as KEDA's redis-streams scaler reads it), and the live workers from their
 heartbeats. A process adds its own gauges through ``extra``. When Redis cannot be read the
@@ -10,7 +11,7 @@ scrape still succeeds with ``tidegate_redis_up 0``, so an alert can fire on it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
@@ -20,16 +21,18 @@ from starlette.responses import JSONResponse, Response
 
 from tidegate.operations.queue_stats import queue_stats
 
-LANE_LABELS = ("lane", "partition")
+LANE_LABELS = ("model", "lane", "partition")
 # A probe or scrape must answer promptly even while the client's retries wait out an outage.
 REDIS_TIMEOUT_S = 2.0
 
 
 async def metrics_response(redis: aioredis.Redis, partitions: int,
                            extra: Mapping[str, tuple[str, float]] | None = None,
-                           collectors: Iterable[Collector] = ()) -> Response:
-    """The Prometheus text exposition of the queue, plus ``extra`` {name: (help, value)} and
-    what ``collectors`` (a process's own counters) report."""
+                           collectors: Iterable[Collector] = (),
+                           models: Sequence[str] = ()) -> Response:
+    """The Prometheus text exposition of the queue (``models``' lanes, and every other model's
+    Redis names), plus ``extra`` {name: (help, value)} and what ``collectors`` (a process's own
+    counters) report."""
     registry = CollectorRegistry(auto_describe=True)
     for collector in collectors:
         registry.register(collector)
@@ -39,7 +42,7 @@ async def metrics_response(redis: aioredis.Redis, partitions: int,
         Gauge(name, doc, registry=registry).set(value)
     try:
         async with asyncio.timeout(REDIS_TIMEOUT_S):
-            stats = await queue_stats(redis, partitions)
+            stats = await queue_stats(redis, partitions, models)
     except (RedisError, OSError, TimeoutError):
         up.set(0)
     else:
@@ -58,7 +61,7 @@ async def metrics_response(redis: aioredis.Redis, partitions: int,
                        "Age of the oldest job no worker has read (0 when none waits).",
                        LANE_LABELS, registry=registry)
         for lane in stats.lanes:
-            labels = {"lane": lane.lane, "partition": str(lane.partition)}
+            labels = {"model": lane.model, "lane": lane.lane, "partition": str(lane.partition)}
             for field, gauge in gauges.items():
                 gauge.labels(**labels).set(getattr(lane, field))
             oldest.labels(**labels).set(lane.oldest_waiting_s or 0.0)
@@ -66,6 +69,10 @@ async def metrics_response(redis: aioredis.Redis, partitions: int,
               registry=registry).set(len(stats.workers))
         Gauge("tidegate_workers_tokens_per_second", "Tokens per second, all live workers.",
               registry=registry).set(stats.tokens_per_s)
+        by_model = Gauge("tidegate_model_workers_live", "Live workers serving the model.",
+                         ["model"], registry=registry)
+        for model in dict.fromkeys(lane.model for lane in stats.lanes):
+            by_model.labels(model=model).set(sum(w.model == model for w in stats.workers))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST,
                     headers={"Cache-Control": "no-store"})
 

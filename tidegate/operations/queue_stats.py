@@ -1,7 +1,9 @@
-"""A snapshot of the queue: per lane partition, what waits and what runs; per worker, its load.
+"""A snapshot of the queue: per model and lane partition, what waits and what runs; per worker,
+the model it serves and its load.
 
 Read from Redis alone (XINFO on each lane stream, the workers' heartbeat keys), so any process
-can answer it: the gateway's live page, the operators' CLI, metrics. Lag is what the consumer
+can answer it: the gateway's live page, the operators' CLI, metrics. The models are the ones
+named by the caller, by a lane stream in Redis or by a live worker's heartbeat. Lag is what the consumer
 group has not read yet; pending is what workers read and have not acknowledged (running, or
 held by a worker that died until it is reclaimed).
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import redis.asyncio as aioredis
@@ -20,6 +23,7 @@ from tidegate import keys
 
 @dataclass(frozen=True, slots=True)
 class LaneStats:
+    model: str
     lane: str
     partition: int
     stream: str
@@ -37,6 +41,8 @@ class WorkerStats:
     waiting: int
     tokens_per_s: float
     kv_usage: float  # fraction of KV blocks in use
+    model: str | None = None  # the served model's name (None: a worker from before models)
+    adapters: tuple[str, ...] = ()  # the adapters it can run
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +71,9 @@ def _entry_ms(entry_id: str | bytes) -> int:
     return int(text.split("-", 1)[0])
 
 
-async def lane_stats(redis: aioredis.Redis, lane: str, partition: int = 0) -> LaneStats:
-    stream = keys.lane_stream(lane, partition)
+async def lane_stats(redis: aioredis.Redis, model: str, lane: str,
+                     partition: int = 0) -> LaneStats:
+    stream = keys.lane_stream(model, lane, partition)
     length = int(await redis.xlen(stream))
     try:
         groups = await redis.xinfo_groups(stream)
@@ -87,7 +94,7 @@ async def lane_stats(redis: aioredis.Redis, lane: str, partition: int = 0) -> La
         first = await redis.xrange(stream, f"({last}" if last != "0-0" else "-", "+", count=1)
         if first:
             oldest = max(0.0, round(time.time() - _entry_ms(first[0][0]) / 1000, 3))
-    return LaneStats(lane, partition, stream, length, lag, pending, consumers, oldest)
+    return LaneStats(model, lane, partition, stream, length, lag, pending, consumers, oldest)
 
 
 async def worker_stats(redis: aioredis.Redis) -> list[WorkerStats]:
@@ -107,14 +114,38 @@ async def worker_stats(redis: aioredis.Redis) -> list[WorkerStats]:
             beat = {}
         if not isinstance(beat, dict):  # an older worker's plain count of running requests
             beat = {"running": beat}
+        model = beat.get("model")
+        adapters = beat.get("adapters")
         workers.append(WorkerStats(
             worker_id=worker_id, running=int(beat.get("running", 0)),
             waiting=int(beat.get("waiting", 0)),
             tokens_per_s=float(beat.get("tokens_per_s", 0.0)),
-            kv_usage=float(beat.get("kv_usage", 0.0))))
+            kv_usage=float(beat.get("kv_usage", 0.0)),
+            model=model if isinstance(model, str) else None,
+            adapters=tuple(a for a in adapters if isinstance(a, str))
+            if isinstance(adapters, list) else ()))
     return workers
 
 
-async def queue_stats(redis: aioredis.Redis, partitions: int = 1) -> QueueStats:
-    lanes = [await lane_stats(redis, lane, p) for lane in keys.LANES for p in range(partitions)]
-    return QueueStats(lanes=lanes, workers=await worker_stats(redis))
+async def known_models(redis: aioredis.Redis, models: Sequence[str] = (),
+                       workers: Sequence[WorkerStats] = ()) -> list[str]:
+    """``models`` (in order), then every other model a lane stream or a worker names."""
+    found = dict.fromkeys(models)
+    async for name in redis.scan_iter(match=keys.LANE_STREAM_PATTERN, count=500):
+        parsed = keys.parse_lane_stream(name.decode() if isinstance(name, bytes) else name)
+        if parsed is not None:
+            found.setdefault(parsed[0])
+    for worker in workers:
+        if worker.model is not None:
+            found.setdefault(worker.model)
+    return list(found)
+
+
+async def queue_stats(redis: aioredis.Redis, partitions: int = 1,
+                      models: Sequence[str] = ()) -> QueueStats:
+    """Every model's lanes (``models`` first, then those Redis names) and the live workers."""
+    workers = await worker_stats(redis)
+    lanes = [await lane_stats(redis, model, lane, p)
+             for model in await known_models(redis, models, workers)
+             for lane in keys.LANES for p in range(partitions)]
+    return QueueStats(lanes=lanes, workers=workers)

@@ -1,8 +1,10 @@
 """The worker's intake, beside the engine's steps: lane entries become arrivals.
 
 While seats are free it reads (and now and then reclaims) lane entries, answers those that will
-not run (malformed, dead-lettered, expired, cancelled, finished elsewhere), claims the rest in
-one round trip and tokenizes them; the main loop admits the arrivals at its next step boundary,
+not run (malformed, dead-lettered, expired, cancelled, finished elsewhere: a job the API
+rejected while it waited is acked unrun, an adapter nobody registered is rejected
+``adapter_not_found``), claims the rest in one round trip, loads the adapters they name that
+the engine lacks, and tokenizes them; the main loop admits the arrivals at its next step boundary,
 where it can read the engine's state. It never touches the engine but for its counters. While
 the worker is full it still peeks at the head of each lane, to turn away at once the jobs that
 could not finish in time even once a seat frees.
@@ -27,6 +29,7 @@ from tidegate.events.event_log import last_event_id
 from tidegate.jobstore import Claim, claim_many
 from tidegate.protocol import Job, now_ms
 from worker.engine.engine import Engine
+from worker.service.adapter_loader import AdapterLoader
 from worker.service.intake import Delivery, StreamIntake
 from worker.service.migration import Resume, resume_point
 from worker.service.publisher import EventPublisher
@@ -63,6 +66,7 @@ class ArrivalIntake:
         publisher: EventPublisher, shedder: LoadShedder, *, worker_id: str,
         visibility_timeout_ms: int, max_deliveries: int,
         running: Callable[[], list[Delivery]], wake: asyncio.Event,
+        adapters: AdapterLoader | None = None,
     ) -> None:
         self.redis = redis
         self.engine = engine
@@ -75,6 +79,7 @@ class ArrivalIntake:
         self.max_deliveries = max_deliveries
         self.running = running  # the deliveries of the jobs the engine runs
         self.wake = wake  # set when arrivals are ready
+        self.adapters = adapters  # loads the adapters jobs name (None: jobs name none)
         self.arrivals: list[Arrival] = []
         self.load: Load | None = None  # the engine's load, noted by the main loop when full
         self.ok = True  # Redis answered the last read
@@ -190,6 +195,10 @@ class ArrivalIntake:
                 self.publisher.fail(delivery, claim.next_event_id, code="deadline_exceeded",
                                     rejected=True,
                                     message="the deadline passed before a worker could start")
+            elif job.adapter is not None and (problem := await self._adapter(job.adapter)):
+                code, message = problem
+                self.publisher.fail(delivery, claim.next_event_id, code=code, message=message,
+                                    rejected=code == "adapter_not_found")
             else:
                 taken_over = claim.before == "running" or delivery.attempt > 1
                 resume = await self._resume_point(job) if taken_over else None
@@ -198,6 +207,12 @@ class ArrivalIntake:
         if done:
             await self.streams.ack(done)
         self.wake.set()
+
+    async def _adapter(self, name: str) -> tuple[str, str] | None:
+        """None once the engine holds adapter ``name``; else the job's (code, message)."""
+        if self.adapters is None:
+            return "adapter_not_found", f"adapter {name!r}: this worker serves no adapters"
+        return await self.adapters.ensure(name)
 
     async def _resume_point(self, job: Job) -> Resume | None:
         """Where a job taken over continues: the tokens its stored events hold."""

@@ -1,4 +1,4 @@
-"""Stream intake: the worker's side of the lane streams and their consumer group."""
+"""Stream intake: the worker's side of its model's lane streams and their consumer group."""
 
 from __future__ import annotations
 
@@ -48,13 +48,15 @@ def parse_entry(stream: str, message_id: str, fields: dict[str, str]) -> Deliver
 
 class StreamIntake:
     def __init__(
-        self, redis: aioredis.Redis, consumer: str, *, partitions: int = 1,
+        self, redis: aioredis.Redis, consumer: str, *, model: str, partitions: int = 1,
         lanes: tuple[str, ...] = keys.LANES,
     ) -> None:
         self.redis = redis
         self.consumer = consumer
+        self.model = model  # the served name: only its lanes are read
         # Lanes in priority order; each lane may be split into partitions.
-        self.streams = [keys.lane_stream(lane, p) for lane in lanes for p in range(partitions)]
+        self.streams = [keys.lane_stream(model, lane, p) for lane in lanes
+                        for p in range(partitions)]
         self._empty = False  # the last read found nothing
 
     async def ensure_groups(self) -> None:

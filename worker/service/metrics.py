@@ -1,7 +1,8 @@
 """A worker's Prometheus metrics: what it runs, how fast, and how every job ended.
 
-One ``WorkerMetrics`` per worker process, with its own registry (so tests and several services
-in one process never share counters). Latencies and outcomes are observed by the publisher as
+One ``WorkerMetrics`` per served model's service, with its own registry (so tests and several
+services in one process never share counters); the process's status port exposes them all
+through ``ProcessMetrics``, each series labelled with its ``model``. Latencies and outcomes are observed by the publisher as
 it writes each job's events; engine state (running, waiting, KV usage, prefix-cache hits,
 preemptions) is read from the engine at scrape time. Names follow vLLM's where one exists (the
 README maps them), prefixed ``tidegate_``.
@@ -22,6 +23,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from worker.engine.engine import Engine
 
@@ -171,3 +173,31 @@ def outcome_of_finish(finish_reason: str) -> str:
     """The outcome label of a job the engine ran, from its finish reason."""
     return {"deadline": "deadline_exceeded", "cancelled": "cancelled"}.get(
         finish_reason, "completed")
+
+
+class ProcessMetrics(Collector):
+    """Every served model's metrics in one registry for the process's status port: the
+    families of each model's registry merged by name, each sample labelled ``model``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._models: list[tuple[str, CollectorRegistry]] = []
+        self.registry.register(self)
+
+    def add(self, model: str, registry: CollectorRegistry) -> None:
+        self._models.append((model, registry))
+
+    def describe(self) -> list[Metric]:
+        return []  # names vary with the models added: nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for model, registry in list(self._models):
+            for family in registry.collect():
+                out = merged.get(family.name)
+                if out is None:
+                    out = Metric(family.name, family.documentation, family.type, family.unit)
+                    merged[family.name] = out
+                out.samples += [Sample(s.name, {"model": model, **s.labels}, s.value,
+                                       s.timestamp, s.exemplar) for s in family.samples]
+        yield from merged.values()

@@ -1,5 +1,10 @@
 """The worker process: intake -> engine -> publisher, with the queue's guarantees around it.
 
+A ``WorkerService`` serves one model (its served name): it reads only that model's lanes and
+heartbeats with the model's name and adapters. A process serving several models
+(``--model`` repeated, ``--models-file``) runs one service per model, each with its own engine
+and worker id, in one event loop behind one status port (``serve``).
+
 The engine never waits for Redis. The main loop only applies stops, admits prepared jobs and
 runs engine steps (in a thread: torch releases the GIL); beside it run tasks for everything
 that talks to Redis: the intake (reading, reclaiming, claiming and tokenizing jobs while a
@@ -37,6 +42,7 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
@@ -45,6 +51,7 @@ from redis.exceptions import RedisError
 
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
+from tidegate.model_files.served_model import ServedModel, served_models
 from tidegate.operations.status_server import StatusServer
 from tidegate.protocol import Job, SamplingParams, now_ms
 from tidegate.redis_conn import connect
@@ -61,11 +68,12 @@ from worker.engine.engine import (
     ResumeError,
 )
 from worker.engine.grammar_masks import GrammarUnavailable
+from worker.service.adapter_loader import AdapterLoader
 from worker.service.arrivals import IDLE_BLOCK_MS, Arrival, ArrivalIntake
 from worker.service.cancel_listener import CancelListener
 from worker.service.cpu_tuning import keep_large_allocations
 from worker.service.intake import Delivery, StreamIntake
-from worker.service.metrics import WorkerMetrics
+from worker.service.metrics import ProcessMetrics, WorkerMetrics
 from worker.service.migration import job_seed
 from worker.service.publisher import ActiveJob, EventPublisher
 from worker.shedding.calibration import calibrate, timed_step
@@ -92,21 +100,23 @@ class QueuePolicy:
 
 class WorkerService:
     def __init__(
-        self, redis: aioredis.Redis, engine: Engine, *, worker_id: str | None = None,
-        partitions: int = 1, retention: Retention | None = None,
+        self, redis: aioredis.Redis, engine: Engine, *, model: str,
+        worker_id: str | None = None, partitions: int = 1, retention: Retention | None = None,
         policy: QueuePolicy | None = None,
         shedder: LoadShedder | None = None, metrics: WorkerMetrics | None = None,
         status: StatusServer | None = None, stream_interval_s: float = 0.0,
     ) -> None:
         self.redis = redis
         self.engine = engine
+        self.model = model  # the served name
         self.metrics = metrics or WorkerMetrics(engine)
         self.status = status
         self.tokenizer = engine.tokenizer
         self.worker_id = worker_id or new_worker_id()
         self.policy = policy or QueuePolicy()
         self.shedder = shedder or LoadShedder()
-        self.intake = StreamIntake(redis, self.worker_id, partitions=partitions)
+        self.intake = StreamIntake(redis, self.worker_id, model=model, partitions=partitions)
+        self.adapters = AdapterLoader(redis, engine, model=model, worker_id=self.worker_id)
         self.publisher = EventPublisher(redis, self.worker_id, retention=retention,
                                         metrics=self.metrics,
                                         interval_s=stream_interval_s,
@@ -118,7 +128,7 @@ class WorkerService:
             redis, engine, self.intake, self.publisher, self.shedder, worker_id=self.worker_id,
             visibility_timeout_ms=self.policy.visibility_timeout_ms,
             max_deliveries=self.policy.max_deliveries, running=self._running_deliveries,
-            wake=self._work)
+            wake=self._work, adapters=self.adapters)
         self.active: dict[str, ActiveJob] = {}
         self._load_at = 0.0
         # Bounds over the running jobs: no job's deadline is earlier (the deadline scan is due
@@ -145,6 +155,11 @@ class WorkerService:
             self._drain_until = now
         self._work.set()
 
+    async def load_adapters(self, loras: Mapping[str, str]) -> None:
+        """Register and load the model's configured adapters (``--lora``), waiting out a Redis
+        outage; ``AdapterLoadError`` if one cannot be served."""
+        await self._until_redis(lambda: self.adapters.load_configured(loras))
+
     @property
     def draining(self) -> bool:
         return self._drain_until is not None
@@ -153,11 +168,14 @@ class WorkerService:
         """Serve until drained: 0, or 1 when a task beside the main loop died (logged; the
         jobs are handed back, so another worker continues them)."""
         await self._until_redis(self.intake.ensure_groups)
+        await self._until_redis(self.adapters.load_registered)
         self.publisher.start()
         self.cancels.start()
+        self.adapters.start()
         background = [asyncio.create_task(self._heartbeat(), name="heartbeat"),
                       asyncio.create_task(self._keepalive(), name="keepalive")]
-        for task in [*background, *self.publisher.tasks, *self.cancels.tasks]:
+        for task in [*background, *self.publisher.tasks, *self.cancels.tasks,
+                     *self.adapters.tasks]:
             task.add_done_callback(self._task_ended)
         try:
             # Jobs are claimed only once cancel requests can reach this worker.
@@ -168,7 +186,8 @@ class WorkerService:
             intake = asyncio.create_task(self.arrivals.run(lambda: self.draining), name="intake")
             intake.add_done_callback(self._task_ended)
             background.append(intake)
-            log.info("worker %s ready on %d streams", self.worker_id, len(self.intake.streams))
+            log.info("worker %s ready on %d streams of %s", self.worker_id,
+                     len(self.intake.streams), self.model)
             while not self._drained():
                 await self._iteration()
             await self._hand_back()
@@ -176,6 +195,7 @@ class WorkerService:
             await cancel_and_wait(*background)
             await self.publisher.stop()
             await self.cancels.stop()
+            await self.adapters.stop()
             try:
                 await self.redis.delete(keys.worker_heartbeat(self.worker_id))
             except RedisError:
@@ -352,7 +372,7 @@ class WorkerService:
             return load
         request = EngineRequest(job.id, arrival.prompt_ids, sampling, lane=job.lane,
                                 priority=job.priority, deadline_ms=job.deadline_ms,
-                                seed=job_seed(job))
+                                seed=job_seed(job), adapter=job.adapter)
         kept: int | None = None  # a migrated job: the tokens it continues from
         # A job of several choices starts over (its stored tokens interleave its choices).
         if arrival.resume is not None and job.sampling.n == 1:
@@ -449,7 +469,8 @@ class WorkerService:
             rate = (tokens - last_tokens) / max(now - last_t, 1e-3)
             last_t, last_tokens = now, tokens
             beat = {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
-                    "tokens_per_s": round(rate, 1), "kv_usage": round(self.engine.blocks.usage, 4)}
+                    "tokens_per_s": round(rate, 1), "kv_usage": round(self.engine.blocks.usage, 4),
+                    "model": self.model, "adapters": self.engine.adapter_names()}
             try:
                 await self.redis.set(key, json.dumps(beat), ex=keys.WORKER_HEARTBEAT_TTL_S)
             except RedisError as exc:  # the main loop sees the outage too; keep beating
@@ -485,6 +506,8 @@ def build_engine(settings: Settings) -> Engine:
         kv_cache_dtype=settings.kv_cache_dtype,
         prefix_caching=settings.prefix_caching,
         cuda_graphs=settings.cuda_graphs,
+        max_loras=settings.max_loras,
+        max_lora_rank=settings.max_lora_rank,
     ))
     try:  # the grammar engine's token tables now, not on the first constrained job
         engine.grammars.prepare()
@@ -494,39 +517,61 @@ def build_engine(settings: Settings) -> Engine:
 
 
 async def serve(settings: Settings) -> int:
-    """Load the model, join the consumer group and run until SIGTERM/SIGINT (then drain)."""
+    """Load every served model, join each one's consumer group and run until SIGTERM/SIGINT
+    (then drain): one ``WorkerService`` per model in this event loop, one status port."""
+    models = served_models(settings)
     status = None
-    if settings.metrics_port:  # up first: probes get answers while the model loads
+    if settings.metrics_port:  # up first: probes get answers while the models load
         status = StatusServer(settings.host, settings.metrics_port)
         if not status.start():
             status = None
     # The engine's thread takes the GIL back sooner from the event loop's writer and intake
     # (the default switch interval, 5 ms, is a fair share of a decode step).
     sys.setswitchinterval(0.001)
-    engine = build_engine(settings)
-    print(f"tidegate worker: {engine.kv_spec.describe()}", flush=True)
-    shedder = LoadShedder(ShedderConfig(enabled=settings.load_shedding,
-                                        safety=settings.shedding_safety))
-    calibrate(engine, shedder)
     redis = connect(settings.redis_url, blocking_ms=IDLE_BLOCK_MS)
-    metrics = WorkerMetrics(engine)
-    service = WorkerService(
-        redis, engine, partitions=settings.lane_partitions,
-        retention=Retention.from_settings(settings),
-        policy=QueuePolicy(int(settings.visibility_timeout_s * 1000), settings.max_deliveries,
-                           settings.drain_timeout_s),
-        shedder=shedder, metrics=metrics, status=status,
-        stream_interval_s=settings.stream_interval_ms / 1000,
-    )
-    if status is not None:
-        status.registry = metrics.registry
-        status.model_loaded = True
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, service.stop)
+    base_id = new_worker_id()
+    metrics = ProcessMetrics()
+    services: list[WorkerService] = []
     try:
-        return await service.run()
+        for model in models:
+            # One model: the process's id; several: each its own, named after its model.
+            worker_id = base_id if len(models) == 1 else f"{base_id}-{model.name}"
+            service = await _model_service(settings, model, redis, worker_id, status)
+            metrics.add(model.name, service.metrics.registry)
+            services.append(service)
+        if status is not None:
+            status.registry = metrics.registry
+            status.model_loaded = True
+        def stop_all() -> None:
+            for service in services:
+                service.stop()
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop_all)
+        codes = await asyncio.gather(*(s.run() for s in services))
+        return max(codes)
     finally:
         await redis.aclose()
         if status is not None:
             status.stop()
+
+
+async def _model_service(settings: Settings, model: ServedModel, redis: aioredis.Redis,
+                         worker_id: str, status: StatusServer | None) -> WorkerService:
+    """One model's engine (its own settings), calibrated, its configured adapters loaded."""
+    own = model.settings(settings)
+    engine = build_engine(own)
+    print(f"tidegate worker: {model.name}: {engine.kv_spec.describe()}", flush=True)
+    shedder = LoadShedder(ShedderConfig(enabled=own.load_shedding, safety=own.shedding_safety))
+    calibrate(engine, shedder)
+    service = WorkerService(
+        redis, engine, model=model.name, worker_id=worker_id,
+        partitions=own.lane_partitions, retention=Retention.from_settings(own),
+        policy=QueuePolicy(int(own.visibility_timeout_s * 1000), own.max_deliveries,
+                           own.drain_timeout_s),
+        shedder=shedder, metrics=WorkerMetrics(engine), status=status,
+        stream_interval_s=own.stream_interval_ms / 1000,
+    )
+    await service.load_adapters(model.loras)
+    return service

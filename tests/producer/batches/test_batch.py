@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ import pytest
 import redis
 
 from tests.conftest import RedisServer, free_port
-from tests.stack_process import TIDEGATE
+from tests.stack_process import TIDEGATE, stop
 from tidegate import keys
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -30,16 +29,6 @@ def start(*args: str, url: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def cli(*args: str, url: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TIDEGATE_REDIS_URL": url}
     return subprocess.run([*TIDEGATE, *args], env=env, capture_output=True, text=True,
@@ -48,13 +37,13 @@ def cli(*args: str, url: str, timeout: float = 120) -> subprocess.CompletedProce
 
 @pytest.fixture
 def stack(redis_server: RedisServer) -> Iterator[tuple[str, list[subprocess.Popen]]]:
-    """A worker (tiny random model) and a batch worker on a flushed redis-server; the test may
-    add processes to the list, all stopped at the end."""
+    """A worker (tiny random model) and a batch worker (admitting the same model) on a flushed
+    redis-server; the test may add processes to the list, all stopped at the end."""
     redis_server.flush()
     url = redis_server.url
     procs = [start("worker", "--model", "random:tiny", "--max-num-seqs", "64",
                    "--max-num-batched-tokens", "512", url=url),
-             start("batch-worker", "--status-port", "0", url=url)]
+             start("batch-worker", "--status-port", "0", "--model", "random:tiny", url=url)]
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + 120
     try:
@@ -99,7 +88,7 @@ def test_ten_thousand_lines_survive_a_batch_worker_restart(
         assert time.monotonic() < deadline
         time.sleep(0.05)
     stop(procs[1])  # SIGTERM: arq cancels the running step, which the next worker reruns
-    procs.append(start("batch-worker", "--status-port", "0", url=url))
+    procs.append(start("batch-worker", "--status-port", "0", "--model", "random:tiny", url=url))
     state = wait_done(batch_id, url)
     invalid = len(range(0, n, bad_every))
     assert state["status"] == "completed" and state["total"] == state["done"] == n
@@ -187,3 +176,19 @@ def test_batch_worker_health_follows_redis(redis_server: RedisServer) -> None:
     finally:
         stop(proc)
 
+
+
+def test_a_line_naming_no_served_model_ends_model_not_found(
+        stack: tuple[str, list[subprocess.Popen]], tmp_path: Path) -> None:
+    url, _ = stack
+    with (tmp_path / "in.jsonl").open("w") as f:
+        for i, model in enumerate(["random:tiny", "gpt-4o", None, "random_tiny:nope"]):
+            body = {"prompt": f"line {i}", "max_tokens": 2, **({"model": model} if model else {})}
+            f.write(json.dumps({"custom_id": f"c{i}", "body": body}) + "\n")
+    batch_id = cli("batch", "submit", str(tmp_path / "in.jsonl"), url=url).stdout.strip()
+    state = wait_done(batch_id, url)
+    assert state["status"] == "completed" and state["failed"] == 2
+    lines = [json.loads(x) for x in cli("batch", "results", batch_id, url=url).stdout.splitlines()]
+    # "random_tiny:nope" names an adapter of the served model: its worker finds none.
+    assert [x["error"]["code"] if x["error"] else None for x in lines] == [
+        None, "model_not_found", None, "adapter_not_found"]

@@ -16,7 +16,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from producer.submit.admission import Admission
 from tests.conftest import RedisServer
-from tests.producer.conftest import MODEL, serve_stack
+from tests.producer.conftest import MODEL, SERVED, serve_stack
 from tidegate import keys
 from tidegate.events.event_log import add_event
 from tidegate.jobstore import JOB_FIELD, set_status
@@ -59,7 +59,7 @@ class ScriptedWorker:
         last = "0"
         while True:
             for _, entries in await self.redis.xread(
-                    {keys.lane_stream("interactive"): last}, block=1000):
+                    {keys.lane_stream(SERVED, "interactive"): last}, block=1000):
                 for entry_id, fields in entries:
                     last = entry_id
                     job = Job.model_validate_json(fields[JOB_FIELD])
@@ -186,24 +186,33 @@ async def in_thread(script: Callable[[], object]) -> object:
 
 
 async def queued_job(aredis: aioredis.Redis) -> Job:
-    [(_, fields)] = await aredis.xrange(keys.lane_stream("interactive"))
+    [(_, fields)] = await aredis.xrange(keys.lane_stream(SERVED, "interactive"))
     return Job.model_validate_json(fields[JOB_FIELD])
 
 
 # ---------------------------------------------------------------- models
 
 
-async def test_models_lists_the_served_model_under_every_name(base_url: str) -> None:
-    def script() -> None:
+async def live_worker(aredis: aioredis.Redis, model: str = SERVED) -> None:
+    """A worker's heartbeat, as a live worker of ``model`` writes it."""
+    await aredis.set(keys.worker_heartbeat(f"w-{model}"), json.dumps({"model": model}), ex=60)
+
+
+async def test_models_lists_the_served_model_under_every_name(
+        base_url: str, aredis: aioredis.Redis) -> None:
+    def script(expected: list[str]) -> None:
         with sync_client(base_url) as client:
             listed = client.models.list()
             assert [(m.id, m.object, m.owned_by) for m in listed.data] == [
-                (MODEL, "model", "tidegate")]
-            assert client.models.retrieve("tidegate").id == MODEL
+                (name, "model", "tidegate") for name in expected]
+            for name in ("tidegate", MODEL, SERVED):
+                assert client.models.retrieve(name).id == SERVED
             with pytest.raises(openai.NotFoundError):
                 client.models.retrieve("gpt-4o")
 
-    await in_thread(script)
+    await in_thread(lambda: script([]))  # no live worker serves it yet
+    await live_worker(aredis)
+    await in_thread(lambda: script([SERVED]))
 
 
 # ---------------------------------------------------------------- answers
@@ -214,7 +223,7 @@ async def test_chat_completion_answers_with_text_and_usage(
     answer = await client.chat.completions.create(model="tidegate", messages=USER)
     job_id = answer.id.removeprefix("chatcmpl-")
     assert answer.id != job_id and keys.is_valid_job_id(job_id)
-    assert (answer.object, answer.model) == ("chat.completion", MODEL)
+    assert (answer.object, answer.model) == ("chat.completion", "tidegate")  # as sent
     [choice] = answer.choices
     assert (choice.message.role, choice.message.content) == ("assistant", "the quick brown fox ")
     assert (choice.finish_reason, choice.logprobs) == ("stop", None)
@@ -530,7 +539,7 @@ async def test_a_client_that_leaves_stops_following_and_cancels_the_job(
 
 async def _first_job_id(aredis: aioredis.Redis) -> str:
     for _ in range(100):
-        if entries := await aredis.xrange(keys.lane_stream("interactive")):
+        if entries := await aredis.xrange(keys.lane_stream(SERVED, "interactive")):
             return Job.model_validate_json(entries[0][1][JOB_FIELD]).id
         await asyncio.sleep(0.05)
     raise AssertionError("no job was enqueued")
@@ -550,13 +559,14 @@ async def test_auth_and_a_full_lane_answer_in_openais_shape(
                     stranger.models.list()
                 assert info.value.type == "authentication_error"
             with sync_client(f"{url}/v1", api_key="sk-good") as client:
-                assert [m.id for m in client.models.list().data] == [MODEL]
+                assert [m.id for m in client.models.list().data] == [SERVED]
                 with pytest.raises(openai.RateLimitError) as full:
                     client.completions.create(model="tidegate", prompt="hi")
                 assert (full.value.code, full.value.type) == ("queue_full", "rate_limit_error")
                 assert full.value.response.headers["retry-after"] == "3"
 
-        await aredis.xadd(keys.lane_stream("interactive"), {JOB_FIELD: "{}"})  # the backlog
+        await aredis.xadd(keys.lane_stream(SERVED, "interactive"), {JOB_FIELD: "{}"})  # backlog
+        await live_worker(aredis)
         await in_thread(script)
 
 
@@ -581,4 +591,4 @@ async def test_every_openai_route_refuses_callers_without_a_valid_key(
     assert response.status_code == 401
     assert response.json()["error"]["type"] == "authentication_error"
     assert "sk-good" not in response.text
-    assert await aredis.xlen(keys.lane_stream("interactive")) == 0  # nothing was enqueued
+    assert await aredis.xlen(keys.lane_stream(SERVED, "interactive")) == 0  # nothing was enqueued

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(30)
 
 MAX_BACKLOG = 3
 RETRY_AFTER_S = 5
-LANE = keys.lane_stream("interactive")
+LANE = keys.lane_stream("random_tiny", "interactive")
 
 
 @pytest.fixture(scope="module")
@@ -109,24 +109,24 @@ async def test_a_repeat_of_an_accepted_submit_is_answered_even_when_full(
 
 async def add_jobs(aredis: aioredis.Redis, n: int, partition: int = 0) -> None:
     for _ in range(n):
-        await aredis.xadd(keys.lane_stream("batch", partition), {"job": "{}"})
+        await aredis.xadd(keys.lane_stream("m", "batch", partition), {"job": "{}"})
 
 
 async def test_a_reading_is_cached_and_counts_this_process_s_submits(
         redis_url: str, aredis: aioredis.Redis) -> None:
     backlog = LaneBacklog(max_backlog=5, cache_s=60)
-    assert await backlog.backlog(aredis, "batch") == 0  # the stream does not exist yet
+    assert await backlog.backlog(aredis, "m", "batch") == 0  # the stream does not exist yet
     await add_jobs(aredis, 4)
-    assert await backlog.backlog(aredis, "batch") == 0  # cached: no read within cache_s
-    backlog.note_enqueued("batch")
-    assert await backlog.backlog(aredis, "batch") == 1
+    assert await backlog.backlog(aredis, "m", "batch") == 0  # cached: no read within cache_s
+    backlog.note_enqueued("m", "batch")
+    assert await backlog.backlog(aredis, "m", "batch") == 1
 
 
 async def test_concurrent_checks_share_one_read(redis_url: str, aredis: aioredis.Redis) -> None:
     await add_jobs(aredis, 2)
     backlog = LaneBacklog(max_backlog=5, cache_s=60)
     before = (await aredis.info("commandstats")).get("cmdstat_xinfo|groups", {}).get("calls", 0)
-    readings = await asyncio.gather(*(backlog.backlog(aredis, "batch") for _ in range(20)))
+    readings = await asyncio.gather(*(backlog.backlog(aredis, "m", "batch") for _ in range(20)))
     after = (await aredis.info("commandstats")).get("cmdstat_xinfo|groups", {}).get("calls", 0)
     assert readings == [2] * 20 and after - before == 1
 
@@ -136,6 +136,15 @@ async def test_partitions_are_summed(redis_url: str, aredis: aioredis.Redis) -> 
     await add_jobs(aredis, 3, partition=1)
     backlog = LaneBacklog(max_backlog=5, partitions=2, retry_after_s=7)
     with pytest.raises(LaneFull) as info:
-        await backlog.check(aredis, "batch")
+        await backlog.check(aredis, "m", "batch")
     assert (info.value.backlog, info.value.retry_after_s) == (5, 7)
-    await LaneBacklog(max_backlog=6, partitions=2).check(aredis, "batch")  # fits
+    await LaneBacklog(max_backlog=6, partitions=2).check(aredis, "m", "batch")  # fits
+
+
+async def test_each_model_has_its_own_backlog(redis_url: str, aredis: aioredis.Redis) -> None:
+    await add_jobs(aredis, 5)  # model "m" is full; model "other" is not
+    backlog = LaneBacklog(max_backlog=5)
+    with pytest.raises(LaneFull) as info:
+        await backlog.check(aredis, "m", "batch")
+    assert info.value.model == "m" and "'m'" in str(info.value)
+    await backlog.check(aredis, "other", "batch")

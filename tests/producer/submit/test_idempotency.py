@@ -47,7 +47,7 @@ async def submit(http: httpx.AsyncClient, key: str | None = None, **body: object
 
 
 async def lane_entries(aredis: aioredis.Redis) -> int:
-    return await aredis.xlen(keys.lane_stream("interactive"))
+    return await aredis.xlen(keys.lane_stream("random_tiny", "interactive"))
 
 
 async def test_a_repeat_returns_the_same_job_with_200(

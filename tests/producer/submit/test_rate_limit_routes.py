@@ -111,7 +111,7 @@ async def test_a_key_over_its_request_rate_gets_429_with_retry_after_and_the_hea
         "limit": "requests", "retry_after_s": retry_after_s}}
     assert rate_headers(refused, "requests")["remaining"] == "0"
     assert re.fullmatch(r"\d+(\.\d+)?s", rate_headers(refused, "requests")["reset"])
-    assert await aredis.xlen(keys.lane_stream("interactive")) == 1  # the refused one: nothing
+    assert await aredis.xlen(keys.lane_stream("random_tiny", "interactive")) == 1  # the refused one: nothing
 
 
 async def test_tokens_are_charged_prompt_plus_max_tokens_at_submit(

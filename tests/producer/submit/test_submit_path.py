@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def new_job(prompt: str = "hello") -> Job:
-    return JobRequest(prompt=prompt, max_tokens=8).to_job(default_timeout_s=60)
+    return JobRequest(prompt=prompt, max_tokens=8).to_job(model="random_tiny", default_timeout_s=60)
 
 
 async def test_enqueue_writes_the_record_the_queued_event_as_1_0_then_the_lane_entry(
@@ -47,7 +47,7 @@ async def test_enqueue_writes_the_record_the_queued_event_as_1_0_then_the_lane_e
                                       "lane": "interactive"}
     for key in (keys.job_hash(job.id), keys.job_events(job.id)):
         assert 590 < await aredis.ttl(key) <= 600
-    [(_, fields)] = await aredis.xrange(keys.lane_stream("interactive"))
+    [(_, fields)] = await aredis.xrange(keys.lane_stream("random_tiny", "interactive"))
     assert fields == {"job": record["job"]}
 
 
@@ -64,7 +64,7 @@ async def test_a_job_enqueued_again_is_not_written_again(aredis: aioredis.Redis)
     await aredis.hset(keys.job_hash(job.id), "status", "running")  # a worker took it
     assert not await enqueue(aredis, job)
     assert await aredis.hget(keys.job_hash(job.id), "status") == "running"
-    assert await aredis.xlen(keys.lane_stream("interactive")) == 1
+    assert await aredis.xlen(keys.lane_stream("random_tiny", "interactive")) == 1
     assert await aredis.xlen(keys.job_events(job.id)) == 1
 
 
@@ -74,7 +74,7 @@ async def test_an_events_stream_without_its_record_fails_before_writing_anything
     await aredis.xadd(keys.job_events(job.id), {"e": "{}"}, id="5-0")
     with pytest.raises(ResponseError):
         await enqueue(aredis, job)
-    assert not await aredis.exists(keys.job_hash(job.id), keys.lane_stream("interactive"))
+    assert not await aredis.exists(keys.job_hash(job.id), keys.lane_stream("random_tiny", "interactive"))
 
 
 async def test_enqueue_loads_its_script_into_a_fresh_redis(aredis: aioredis.Redis) -> None:
@@ -84,7 +84,7 @@ async def test_enqueue_loads_its_script_into_a_fresh_redis(aredis: aioredis.Redi
     batched = Batched(aredis)  # NOSCRIPT inside a pipeline: each caller loads and retries
     jobs = [new_job(f"p{i}") for i in range(20)]
     assert all(await asyncio.gather(*(enqueue(batched, j) for j in jobs)))  # type: ignore[arg-type]
-    assert await aredis.xlen(keys.lane_stream("interactive")) == 21
+    assert await aredis.xlen(keys.lane_stream("random_tiny", "interactive")) == 21
 
 
 async def test_batched_commands_share_pipelines_and_each_gets_its_own_answer(
@@ -221,7 +221,7 @@ async def test_concurrent_submits_make_one_job_each(
     for i, r in enumerate(answers):
         by_key.setdefault(f"key-{i % 100}", set()).add(r.json()["id"])
     assert all(len(ids) == 1 for ids in by_key.values())  # twins got the same job
-    entries = await aredis.xrange(keys.lane_stream("interactive"))
+    entries = await aredis.xrange(keys.lane_stream("random_tiny", "interactive"))
     queued = {Job.model_validate_json(fields["job"]).id for _, fields in entries}
     assert len(entries) == 100 and queued == set().union(*by_key.values())
     for job_id in list(queued)[:10]:

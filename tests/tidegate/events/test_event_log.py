@@ -65,7 +65,7 @@ async def test_a_batch_is_stored_under_its_ids_and_published_once_per_channel(
 
 
 async def test_acks_follow_the_stored_results(aredis: aioredis.Redis) -> None:
-    stream = keys.lane_stream("interactive")
+    stream = keys.lane_stream("random_tiny", "interactive")
     await aredis.xgroup_create(stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
     entry = await aredis.xadd(stream, {"job": "{}"})
     await aredis.xreadgroup(keys.CONSUMER_GROUP, "w1", {stream: ">"})
@@ -87,7 +87,7 @@ async def test_a_worker_that_lost_a_job_writes_nothing_more_of_it(aredis: aiored
     """Fencing: another worker reclaimed job-d (the claim named it in the hash) while this one
     could not reach Redis; this one's held batch stores, publishes, sets and acks nothing of
     job-d, and says so, while its job-e goes through."""
-    stream = keys.lane_stream("interactive")
+    stream = keys.lane_stream("random_tiny", "interactive")
     await aredis.xgroup_create(stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
     entries = {job: await aredis.xadd(stream, {"job": "{}"}) for job in ("job-d", "job-e")}
     await aredis.xreadgroup(keys.CONSUMER_GROUP, "w1", {stream: ">"})

@@ -30,7 +30,7 @@ async def served(aredis: aioredis.Redis, tiny: LoadedModel  # noqa: F811
     status = StatusServer("127.0.0.1", 0)
     assert status.start()
     metrics = WorkerMetrics(engine)
-    service = WorkerService(aredis, engine, worker_id="w-metrics", metrics=metrics,
+    service = WorkerService(aredis, engine, model="random_tiny", worker_id="w-metrics", metrics=metrics,
                             status=status)
     status.registry = metrics.registry
     status.model_loaded = True
@@ -66,7 +66,7 @@ async def test_metrics_add_up_to_the_jobs_results(
     ran.append(await submit(aredis, prompt=shared, max_tokens=4))  # hits the prefix cache
     await collect(aredis, ran[-1])
     # An error (malformed job) and a job past its deadline before it could start.
-    await aredis.xadd(keys.lane_stream("interactive"), {JOB_FIELD: "{not json"})
+    await aredis.xadd(keys.lane_stream("random_tiny", "interactive"), {JOB_FIELD: "{not json"})
     late = await submit(aredis, prompt="too late", max_tokens=4, timeout_s=0.001)
     assert (await collect(aredis, late))[-1]["type"] == "rejected"
 

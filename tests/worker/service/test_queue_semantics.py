@@ -25,6 +25,8 @@ from tidegate.events.follow import follow
 from tidegate.jobstore import enqueue, read_result, request_cancel
 from tidegate.protocol import JobRequest, now_ms
 
+SERVED = "test-model"  # the name every worker here serves its model under
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
@@ -36,7 +38,9 @@ class Workers:
     procs: list[subprocess.Popen] = field(default_factory=list)
 
     def start(self, *, model: str = "random:tiny", **settings: object) -> subprocess.Popen:
-        env = {**os.environ, "TIDEGATE_REDIS_URL": self.redis_url, "TIDEGATE_MODEL": model,
+        # Every test's worker serves its model under one name, whichever spec it loads.
+        env = {**os.environ, "TIDEGATE_REDIS_URL": self.redis_url,
+               "TIDEGATE_MODELS": f"{SERVED}={model}",
                "TIDEGATE_KV_CACHE_GB": "0.25",
                "TIDEGATE_LOG_LEVEL": os.environ.get("TIDEGATE_LOG_LEVEL", "WARNING"),
                "TIDEGATE_VISIBILITY_TIMEOUT_S": "2", "TIDEGATE_TORCH_THREADS": "1"}
@@ -71,7 +75,7 @@ async def wait_for_workers(r: aioredis.Redis, n: int, timeout_s: float = 60) -> 
 
 
 async def submit(r: aioredis.Redis, **body: object) -> str:
-    job = JobRequest.model_validate(body).to_job(default_timeout_s=120)
+    job = JobRequest.model_validate(body).to_job(model=SERVED, default_timeout_s=120)
     await enqueue(r, job)
     return job.id
 
@@ -269,7 +273,7 @@ async def test_a_killed_workers_jobs_migrate_and_end_as_if_never_interrupted(
     assert migrated >= 1
     # Same request, same text: the migrated runs equal the uninterrupted ones, greedy or seeded.
     assert len(texts[0]) == 1 and len(texts[1]) == 1
-    assert (await r.xpending(keys.lane_stream("interactive"), keys.CONSUMER_GROUP))["pending"] == 0
+    assert (await r.xpending(keys.lane_stream(SERVED, "interactive"), keys.CONSUMER_GROUP))["pending"] == 0
 
 
 async def test_a_worker_frozen_past_its_timeout_drops_the_job_the_other_continues(
@@ -388,7 +392,7 @@ async def test_a_job_whose_record_expired_in_the_queue_never_runs(
     workers.start()
     assert (await events_of(r, kept))[-1]["type"] == "done"
     assert await r.exists(keys.job_hash(gone), keys.job_events(gone)) == 0
-    assert (await r.xpending(keys.lane_stream("interactive"), keys.CONSUMER_GROUP))["pending"] == 0
+    assert (await r.xpending(keys.lane_stream(SERVED, "interactive"), keys.CONSUMER_GROUP))["pending"] == 0
 
 
 async def test_a_worker_whose_intake_dies_says_so_and_exits_1(
@@ -401,7 +405,7 @@ async def test_a_worker_whose_intake_dies_says_so_and_exits_1(
         del os.environ["TIDEGATE_TEST_WORKER_LOG"]
     await wait_for_workers(r, 1)
     # An operator's mistake: the lane's stream replaced by a string (reads now fail WRONGTYPE).
-    lane = keys.lane_stream("interactive")
+    lane = keys.lane_stream(SERVED, "interactive")
     await r.delete(lane)
     await r.set(lane, "not a stream")
     assert await asyncio.to_thread(proc.wait, 60) == 1
@@ -422,7 +426,7 @@ async def test_sigterm_drains_and_loses_nothing(r: aioredis.Redis, workers: Work
     for job_id in long:
         events = await events_of(r, job_id)
         assert events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == 1800
-    assert (await r.xpending(keys.lane_stream("interactive"), keys.CONSUMER_GROUP))["pending"] == 0
+    assert (await r.xpending(keys.lane_stream(SERVED, "interactive"), keys.CONSUMER_GROUP))["pending"] == 0
 
 
 async def test_redis_killed_mid_run_every_event_lands_exactly_once(
@@ -453,7 +457,7 @@ async def test_redis_killed_mid_run_every_event_lands_exactly_once(
             assert sum(len(e["token_ids"]) for e in tokens) == 500
             assert "".join(e["text"] for e in tokens) == done["text"]
             assert (await read_result(r, job_id)).text == done["text"]
-        pending = await r.xpending(keys.lane_stream("interactive"), keys.CONSUMER_GROUP)
+        pending = await r.xpending(keys.lane_stream(SERVED, "interactive"), keys.CONSUMER_GROUP)
         assert pending["pending"] == 0
     finally:
         await r.aclose()

@@ -32,7 +32,7 @@ def tiny() -> LoadedModel:
 
 def new_worker(aredis: aioredis.Redis, tiny: LoadedModel) -> WorkerService:
     engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=256, max_num_seqs=4))
-    return WorkerService(aredis, engine, worker_id="w-retention", retention=RETENTION)
+    return WorkerService(aredis, engine, model="random_tiny", worker_id="w-retention", retention=RETENTION)
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ async def worker(aredis: aioredis.Redis, tiny: LoadedModel) -> AsyncIterator[Wor
 
 
 async def submit(aredis: aioredis.Redis, *, deadline_ms: int | None = None, **body: object) -> str:
-    job = JobRequest.model_validate(body).to_job(default_timeout_s=60)
+    job = JobRequest.model_validate(body).to_job(model="random_tiny", default_timeout_s=60)
     if deadline_ms is not None:
         job = job.model_copy(update={"deadline_ms": deadline_ms})
     await enqueue(aredis, job, ttl_s=RETENTION.unfinished_s)

@@ -26,7 +26,7 @@ def tiny() -> LoadedModel:
 @pytest.fixture
 async def worker(aredis: aioredis.Redis, tiny: LoadedModel) -> AsyncIterator[WorkerService]:
     engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=256, max_num_seqs=4))
-    service = WorkerService(aredis, engine, worker_id="w-test")
+    service = WorkerService(aredis, engine, model="random_tiny", worker_id="w-test")
     task = asyncio.create_task(service.run())
     yield service
     service.stop()
@@ -41,13 +41,13 @@ async def collect(aredis: aioredis.Redis, job_id: str) -> list[dict]:
 
 
 async def submit(aredis: aioredis.Redis, **body: object) -> str:
-    job = JobRequest.model_validate(body).to_job(default_timeout_s=60)
+    job = JobRequest.model_validate(body).to_job(model="random_tiny", default_timeout_s=60)
     await enqueue(aredis, job)
     return job.id
 
 
 async def pending(aredis: aioredis.Redis, lane: str = "interactive") -> int:
-    info = await aredis.xpending(keys.lane_stream(lane), keys.CONSUMER_GROUP)
+    info = await aredis.xpending(keys.lane_stream("random_tiny", lane), keys.CONSUMER_GROUP)
     return info["pending"]
 
 
@@ -77,7 +77,7 @@ async def test_jobs_stream_tokens_store_results_and_are_acked(
 async def test_malformed_jobs_are_rejected_acked_and_survived(
     aredis: aioredis.Redis, worker: WorkerService
 ) -> None:
-    stream = keys.lane_stream("interactive")
+    stream = keys.lane_stream("random_tiny", "interactive")
     await aredis.xadd(stream, {"nonsense": "1"})
     await aredis.xadd(stream, {JOB_FIELD: "{not json"})
     await aredis.xadd(stream, {JOB_FIELD: json.dumps({"id": "badjob", "prompt": "x",
@@ -123,3 +123,39 @@ async def test_logprobs_reach_token_events_only_when_asked(
     assert all(t["top_logprobs"][0]["logprob"] >= t["top_logprobs"][1]["logprob"] for t in tokens)
     plain = [e for e in await collect(aredis, without) if e["type"] == "token"]
     assert plain and all("logprob" not in t and "top_logprobs" not in t for t in plain)
+
+
+async def test_a_job_naming_an_unregistered_adapter_is_rejected_adapter_not_found(
+    aredis: aioredis.Redis, worker: WorkerService
+) -> None:
+    job = JobRequest(prompt="hi", max_tokens=3).to_job(model="random_tiny", adapter="ghost",
+                                                       default_timeout_s=60)
+    await enqueue(aredis, job)
+    events = await collect(aredis, job.id)
+    assert (events[-1]["type"], events[-1]["reason"]) == ("rejected", "adapter_not_found")
+    assert "'ghost'" in events[-1]["message"]
+    assert await pending(aredis) == 0
+
+
+async def test_a_job_the_api_rejected_while_it_waited_is_acked_unrun(
+    aredis: aioredis.Redis, tiny: LoadedModel
+) -> None:
+    from tidegate.jobstore import reject_queued
+
+    job_id = await submit(aredis, prompt="too late", max_tokens=3)
+    assert await reject_queued(aredis, job_id, reason="no_worker", message="nobody") == "ok"
+    engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=256, max_num_seqs=4))
+    service = WorkerService(aredis, engine, model="random_tiny", worker_id="w-late")
+    task = asyncio.create_task(service.run())
+    try:
+        deadline = asyncio.get_running_loop().time() + 20
+        stream = keys.lane_stream("random_tiny", "interactive")
+        while (await aredis.xinfo_groups(stream) or [{"lag": 1}])[0]["lag"] or \
+                await pending(aredis):  # read and acked
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.1)
+    finally:
+        service.stop()
+        await asyncio.wait_for(task, 10)
+    events = await collect(aredis, job_id)
+    assert [e["type"] for e in events] == ["queued", "rejected"]  # nothing after: never ran
