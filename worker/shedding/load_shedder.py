@@ -13,6 +13,7 @@ is an upper bound, so the estimate errs towards refusing. Plain Python: no torch
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -97,6 +98,11 @@ class LoadShedder:
         self.config = config or ShedderConfig()
         self._decode: deque[tuple[int, float]] = deque(maxlen=self.config.window)
         self._prefill: deque[tuple[int, float]] = deque(maxlen=self.config.window)
+        # The engine thread appends to the windows while the intake estimates on the event
+        # loop. tuple(deque) is not atomic: an allocation inside it may run the collector and
+        # a finalizer hands the GIL over mid-copy ("deque mutated during iteration", seen once
+        # under CI load, killing the worker's intake). Appends and copies hold this lock.
+        self._windows = threading.Lock()
         # The step-time line through ``_decode`` (mean batch, mean time, slope, spread), kept
         # until the next decode step: a burst's admissions ask for it once per job.
         self._line: tuple[float, float, float, float] | None = None
@@ -114,11 +120,13 @@ class LoadShedder:
             return
         if prompt_tokens == 0:
             if decodes > 0:
-                self._decode.append((decodes, seconds))
+                with self._windows:
+                    self._decode.append((decodes, seconds))
                 self._line = None
             return
         decode_share = self.step_s(decodes) if decodes else 0.0
-        self._prefill.append((prompt_tokens, max(seconds - decode_share, seconds * 0.1)))
+        with self._windows:
+            self._prefill.append((prompt_tokens, max(seconds - decode_share, seconds * 0.1)))
 
     def _stalled(self, prompt_tokens: int, decodes: int, seconds: float) -> bool:
         """Whether to leave this step out as a stall: far slower than the rates predict,
@@ -141,16 +149,16 @@ class LoadShedder:
         return True
 
     def prefill_tok_s(self) -> float:
-        # Copies (tuple() holds the GIL throughout): the engine thread appends to the windows
-        # while the intake estimates on the event loop, and iterating a growing deque raises.
-        pts = tuple(self._prefill)
+        with self._windows:  # a copy, never iterated while the engine thread appends
+            pts = tuple(self._prefill)
         if not pts:
             return self.config.initial_prefill_tok_s
         return sum(n for n, _ in pts) / sum(s for _, s in pts)
 
     def step_s(self, batch_size: int) -> float:
         """Decode step time at ``batch_size``: least squares over recent decode steps."""
-        pts = tuple(self._decode)  # a copy: see prefill_tok_s
+        with self._windows:  # a copy: see prefill_tok_s
+            pts = tuple(self._decode)
         if not pts:
             return self.config.initial_step_s
         if self._line is None:
