@@ -13,13 +13,13 @@ import asyncio
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from producer.errors import FieldError, field_errors
-from producer.submit.refusal import Refusal, answer
+from producer.errors import FieldError
+from producer.submit.refusal import Refusal, answer, validated
 from producer.submit.request_body import read_json
 from producer.submit.submit_path import SubmitPath
 from tidegate import adapter_registry, keys
@@ -73,7 +73,7 @@ class AdapterRoutes:
 
     async def _register(self, request: Request) -> Response:
         self.path.auth.admin(request.headers.get("authorization"))
-        body = _validated(await read_json(request))
+        body = validated(AdapterBody, await read_json(request))
         model = self.path.catalog.get(body.model)
         if model is None:
             message = (f"the model {body.model!r} does not exist; served: "
@@ -126,11 +126,3 @@ class AdapterRoutes:
             await asyncio.sleep(POLL_S)
         return outcomes
 
-
-def _validated(body: Any) -> AdapterBody:
-    try:
-        return AdapterBody.model_validate(body)
-    except ValidationError as exc:
-        fields = field_errors(exc)
-        message = "; ".join(f"{f['field']}: {f['reason']}" for f in fields)
-        raise Refusal(422, "invalid_request", message, fields) from exc

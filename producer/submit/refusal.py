@@ -4,14 +4,18 @@ exception a submit or lookup can raise to it. Shared by the HTTP routes and ``/v
 from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping
+from typing import Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 from starlette.responses import JSONResponse, Response
 
-from producer.errors import FieldError, error_body
+from producer.errors import FieldError, error_body, field_errors
 from producer.submit.backlog import LaneFull
 from producer.submit.idempotency import ClaimInProgress
 from tidegate.http.auth import AuthError
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class Refusal(Exception):
@@ -28,6 +32,16 @@ class Refusal(Exception):
     def response(self) -> JSONResponse:
         body = error_body(self.type, self.message, self.fields, **self.extra)
         return JSONResponse(body, self.status, headers=self.headers)
+
+
+def validated(model: type[ModelT], body: Any) -> ModelT:
+    """``body`` as ``model``; a 422 ``invalid_request`` naming each bad field otherwise."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        fields = field_errors(exc)
+        message = "; ".join(f"{f['field']}: {f['reason']}" for f in fields)
+        raise Refusal(422, "invalid_request", message, fields) from exc
 
 
 def refusal_of(exc: Exception) -> Refusal:

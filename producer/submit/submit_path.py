@@ -20,17 +20,16 @@ from typing import Any
 
 import anyio.to_thread
 import redis.asyncio as aioredis
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from producer.errors import FieldError, field_errors
+from producer.errors import FieldError
 from producer.submit import idempotency
 from producer.submit.admission import Admission, AdmissionError
 from producer.submit.backlog import LaneBacklog
 from producer.submit.batched import Batched
 from producer.submit.idempotency import Claim, ClaimInProgress
 from producer.submit.rate_limit import RateLimiter
-from producer.submit.refusal import Refusal
+from producer.submit.refusal import Refusal, validated
 from tidegate.adapter_registry import AdapterRegistry
 from tidegate.events.event_hub import EventHub
 from tidegate.http.auth import Auth, new_stream_token, token_hash
@@ -158,7 +157,7 @@ class SubmitPath:
         Raises ``Refusal``, ``LaneFull``, ``ClaimInProgress`` or ``RedisError``; ``refusal_of``
         turns each into the API's error.
         """
-        job_request = _validated(body)
+        job_request = validated(JobRequest, body)
         key = job_request.idempotency_key
         redis = self._submit_redis()
         if key is not None and (earlier := await idempotency.replay(redis, tenant, key)):
@@ -230,11 +229,3 @@ class SubmitPath:
             raise RuntimeError("SubmitPath.start() was not called")
         return self._batched
 
-
-def _validated(body: Any) -> JobRequest:
-    try:
-        return JobRequest.model_validate(body)
-    except ValidationError as exc:
-        fields = field_errors(exc)
-        message = "; ".join(f"{f['field']}: {f['reason']}" for f in fields)
-        raise Refusal(422, "invalid_request", message, fields) from exc
