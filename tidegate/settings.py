@@ -44,6 +44,10 @@ class Settings(BaseSettings):
                                              "int8 (rows rounded to 8-bit blocks, integer dot "
                                              "products, as llama.cpp), float (the dequantized "
                                              "model's outputs exactly), auto: int8")
+    # A worker of several processes on one host (``worker.parallel``): each stage's layers
+    # split over tensor_parallel_size devices, the layers over pipeline_parallel_size stages.
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    pipeline_parallel_size: int = Field(default=1, ge=1, le=64)
     max_num_seqs: int = Field(default=32, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
     block_size: int = Field(default=16, ge=1, le=256)

@@ -41,7 +41,7 @@ def _settings(args: argparse.Namespace):  # -> Settings
     fields = ("redis_url", "device", "dtype", "max_num_seqs", "max_num_batched_tokens",
               "kv_cache_gb", "kv_cache_dtype", "cuda_graphs", "weights", "quantize",
               "cpu_activations", "host", "port", "log_level", "models_file", "max_loras",
-              "max_lora_rank")
+              "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size")
     overrides = {f: getattr(args, f, None) for f in fields}
     # --model (repeatable) and --lora (repeatable): lists, None when not given.
     overrides["models"] = getattr(args, "model", None) or None
@@ -81,7 +81,15 @@ def _check_models(settings, *, engine: bool = False) -> list:  # noqa: ANN001 - 
                 _check_engine(model.settings(settings))
     except (ModelLoadError, ServedModelError) as exc:
         raise CliError(str(exc)) from None
+    parallel = [m.name for m in models if engine and _world(m.settings(settings)) > 1]
+    if len(parallel) > 1:
+        raise CliError(f"models {', '.join(parallel)}: a worker process runs one tensor- or "
+                       "pipeline-parallel model; start a worker for each")
     return models
+
+
+def _world(settings) -> int:  # noqa: ANN001 - Settings, imported lazily
+    return settings.tensor_parallel_size * settings.pipeline_parallel_size
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -96,6 +104,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _check_engine(settings) -> None:  # noqa: ANN001 - Settings, imported lazily
     _check_device(settings.device)
+    _check_parallel(settings)
     if settings.kv_cache_dtype == "fp8" and not settings.device.startswith("cuda"):
         raise CliError(f"--kv-cache-dtype fp8: the FP8 cache needs --device cuda, not "
                        f"{settings.device}")
@@ -106,6 +115,26 @@ def _check_engine(settings) -> None:  # noqa: ANN001 - Settings, imported lazily
     if settings.kv_cache_dtype == "int8" and settings.device != "cpu":
         raise CliError(f"--kv-cache-dtype int8: the 8-bit cache is the CPU's, not "
                        f"{settings.device}'s")
+
+
+def _check_parallel(settings) -> None:  # noqa: ANN001 - Settings, imported lazily
+    """A tensor- or pipeline-parallel worker: the devices, the model's shape, no adapters."""
+    if _world(settings) == 1:
+        return
+    from tidegate.model_files.model_source import ModelLoadError
+    from worker.models.loaders.loader import check_layout
+    from worker.parallel.layout import LayoutError, ParallelLayout
+    from worker.parallel.rank_processes import ParallelStartError, check_devices
+
+    if settings.loras:
+        raise CliError("--lora: LoRA adapters are not served by tensor- or pipeline-parallel "
+                       "workers")
+    try:
+        layout = ParallelLayout(settings.tensor_parallel_size, settings.pipeline_parallel_size)
+        check_devices(layout, settings.device)
+        check_layout(settings.model, layout)
+    except (LayoutError, ParallelStartError, ModelLoadError) as exc:
+        raise CliError(str(exc)) from None
 
 
 def _check_device(device: str) -> None:
@@ -355,6 +384,12 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                         "`tidegate quantize` writes calibrated checkpoints): fp8 (e4m3, a scale "
                         "per channel; W8A8 on cuda), rtn-int8, rtn-int4 (groups of 128)")
     _add_cpu_activations(p, default=None)
+    p.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                   help="split each layer over N processes and devices of this host "
+                        "(cuda:0..N-1, or CPU processes; default 1)")
+    p.add_argument("--pipeline-parallel-size", type=int, metavar="N",
+                   help="split the layers into N stages, each its own processes and devices "
+                        "(default 1)")
     p.add_argument("--max-num-seqs", type=int, help="requests batched at once (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="tokens per engine step: decodes plus prompt chunks (default 512)")

@@ -156,6 +156,8 @@ def _spawn_worker(settings: Settings) -> subprocess.Popen:
         env["TIDEGATE_KV_CACHE_GB"] = str(settings.kv_cache_gb)
     env["TIDEGATE_KV_CACHE_DTYPE"] = settings.kv_cache_dtype
     env["TIDEGATE_QUANTIZE"] = settings.quantize
+    env["TIDEGATE_TENSOR_PARALLEL_SIZE"] = str(settings.tensor_parallel_size)
+    env["TIDEGATE_PIPELINE_PARALLEL_SIZE"] = str(settings.pipeline_parallel_size)
     return subprocess.Popen([sys.executable, "-m", "tidegate", "worker"], env=env)
 
 

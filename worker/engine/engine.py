@@ -15,6 +15,8 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -40,6 +42,8 @@ from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.engine.sequence import SeqStatus, Sequence
 from worker.models.decoder import DecoderModel
 from worker.models.lora_weights import LoraWeights
+from worker.parallel.model_group import ModelGroup
+from worker.parallel.parallel_runner import ParallelRunner
 
 log = logging.getLogger("tidegate.engine")
 
@@ -151,6 +155,9 @@ class EngineStats:
     preemptions: int = 0
     # Steps launched before the previous step's tokens were read (async_scheduling).
     scheduled_ahead: int = 0
+    # Pipeline parallelism: steps launched while an earlier one was still in the pipeline
+    # (the stages worked on both at once).
+    overlapped_steps: int = 0
 
 
 @dataclass(slots=True)
@@ -159,31 +166,56 @@ class _Sampled:
     logprobs: TokenLogprobs | None = field(default=None)
 
 
+def build_runner(model: DecoderModel, config: EngineConfig, lora: LoraManager | None = None,
+                 group: ModelGroup | None = None) -> tuple[KVCacheSpec, ModelRunner]:
+    """The KV cache's plan and the model runner over it. In a parallel worker every rank
+    calls this (rank 0 through ``Engine``) and the ranks agree on the smallest cache any of
+    them can hold: block tables are the same on every rank."""
+    param = next(model.parameters())
+    kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, param.dtype, param.device)
+    spec = plan_kv_cache(
+        model.cfg, kv_dtype, param.device, block_size=config.block_size,
+        kv_cache_gb=config.kv_cache_gb, memory_fraction=config.kv_cache_memory_fraction,
+        num_blocks=config.num_blocks,
+    )
+    if group is not None:
+        spec = KVCacheSpec(group.min_int(spec.num_blocks), spec.block_size,
+                           spec.bytes_per_block)
+    stage = group if group is not None and group.place.layout.pp > 1 else None
+    runner = ModelRunner(
+        model, spec, kv_dtype=kv_dtype, max_model_len=config.max_model_len,
+        cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0, lora=lora,
+        stage=stage)
+    return spec, runner
+
+
 class Engine:
-    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
+    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig,
+                 group: ModelGroup | None = None) -> None:
+        """``group``: rank 0's handle on a parallel worker (``worker.parallel``); the model
+        is then rank 0's share and every step goes to the other ranks too."""
         self.tokenizer = tokenizer
         self.config = config
         param = next(model.parameters())
+        if group is not None and config.max_loras:
+            raise ValueError("LoRA adapters are not served by tensor- or pipeline-parallel "
+                             "workers (max_loras must be 0)")
         # Before the KV cache is planned: the cache takes what memory is left.
         self.lora = (LoraManager(LoraWeights(model.cfg, config.max_loras, config.max_lora_rank,
                                              param.dtype, param.device))
                      if config.max_loras else None)
-        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, param.dtype, param.device)
-        self.kv_spec: KVCacheSpec = plan_kv_cache(
-            model.cfg, kv_dtype, param.device, block_size=config.block_size,
-            kv_cache_gb=config.kv_cache_gb, memory_fraction=config.kv_cache_memory_fraction,
-            num_blocks=config.num_blocks,
-        )
+        self.kv_spec, runner = build_runner(model, config, self.lora, group)
         log.info("%s", self.kv_spec.describe())
         self.blocks = BlockManager(self.kv_spec.num_blocks, config.block_size,
                                    prefix_caching=config.prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.max_loras), self.blocks)
-        self.runner = ModelRunner(
-            model, self.kv_spec, kv_dtype=kv_dtype, max_model_len=config.max_model_len,
-            cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0,
-            lora=self.lora)
+        self.group = group
+        # Called by ``close``: a parallel worker's rank processes are waited for there.
+        self.on_close: list[Callable[[], None]] = []
+        self.runner: ModelRunner | ParallelRunner = (
+            runner if group is None else ParallelRunner(runner, group))
         self.stats = EngineStats()
         self.async_output = (config.async_output if config.async_output is not None
                              else param.device.type == "cuda")
@@ -191,6 +223,11 @@ class Engine:
                                  else self.async_output)
         if self.async_scheduling and not self.async_output:
             raise ValueError("async_scheduling needs async_output")
+        # Pipeline parallelism: one step in flight per stage, each of other requests
+        # (``_step_pipelined``); 0: the single-step paths.
+        self.pipeline_depth = (group.place.layout.pp
+                               if group is not None and group.place.layout.pp > 1 else 0)
+        self._pipe: deque[tuple[SchedulerOutput, SamplerLaunch]] = deque()
         # The launched step whose tokens have not been read back yet (async_output only).
         self._inflight: tuple[SchedulerOutput, SamplerLaunch] | None = None
         # A launched forward pass whose sampling waits for grammar masks (async_output only).
@@ -328,6 +365,15 @@ class Engine:
             if rid in self._seqs:
                 self._aborted.setdefault(rid, reason)
 
+    def close(self) -> None:
+        """Send a parallel worker's other ranks out of their loop and wait for them (a no-op
+        for a single process). Once only; the engine steps no more."""
+        if isinstance(self.runner, ParallelRunner):
+            self.runner.stop()
+        closers, self.on_close = self.on_close, []
+        for close in closers:
+            close()
+
     def reset_stats(self) -> None:
         """Zero the counters (after a warm-up that must not show in the metrics)."""
         for name in EngineStats.__dataclass_fields__:
@@ -336,7 +382,7 @@ class Engine:
         self.blocks.stats.queried_tokens = self.blocks.stats.hit_tokens = 0
 
     def has_unfinished(self) -> bool:
-        return bool(self._seqs) or self._inflight is not None
+        return bool(self._seqs) or self._inflight is not None or bool(self._pipe)
 
     @property
     def num_active(self) -> int:
@@ -368,26 +414,32 @@ class Engine:
         # Held-back text (a possible stop string's start) is dropped: no token carries it.
         outputs = [self._finish(seq, self._aborted[seq.request_id], None, "") for seq in aborted]
         self._aborted.clear()
+        if self.pipeline_depth:
+            return outputs + self._step_pipelined()
         if self.async_output:
             return outputs + self._step_overlapped()
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
         if not sched.chunks:
             return outputs
-        tables = [self.blocks.block_table(c.seq.request_id) for c in sched.chunks]
-        sampling_ids = [c.seq.request_id for c in sched.chunks if c.samples]
-        # The masks are computed on a helper thread while the forward pass runs.
-        masks = (self.grammars.fill_async(sampling_ids) if self._constrained(sampling_ids)
-                 else None)
-        with torch.inference_mode():
-            step = self.runner.forward(sched, tables)
-            sampled = self.runner.sample(step, masks.result() if masks else None)()
+        sampled = self._forward_and_sample(sched)()
         self.scheduler.commit(sched)
         self._count(sched)
         sampling = [c.seq for c in sched.chunks if c.samples]
         for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
             outputs.append(self._advance(seq, _Sampled(token, lp)))
         return outputs
+
+    def _forward_and_sample(self, sched: SchedulerOutput) -> SamplerLaunch:
+        """Queue the step's forward pass and its sampling; its grammar masks are computed on
+        a helper thread while the forward pass runs."""
+        tables = [self.blocks.block_table(c.seq.request_id) for c in sched.chunks]
+        sampling_ids = [c.seq.request_id for c in sched.chunks if c.samples]
+        masks = (self.grammars.fill_async(sampling_ids) if self._constrained(sampling_ids)
+                 else None)
+        with torch.inference_mode():
+            step = self.runner.forward(sched, tables)
+            return self.runner.sample(step, masks.result() if masks else None)
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Read back the launched step and launch the next; build the first one's outputs
@@ -425,6 +477,34 @@ class Engine:
         outputs += [self._emit(seq, s) for seq, s in read if seq.status is not SeqStatus.FINISHED]
         self._sample_deferred(masks)
         return outputs
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Pipeline parallelism: fill the pipeline, then read its oldest step.
+
+        Up to ``pipeline_depth`` steps are in flight, each of requests that no other step in
+        flight holds (a request waits for its token before it is scheduled again), so while
+        the last stage computes one step the first computes the next: the running requests
+        fall into groups that take turns. A step is committed when launched (its inputs are
+        known; its new tokens are pending), its tokens read back in launch order."""
+        while len(self._pipe) < self.pipeline_depth:
+            # Each step takes its share of the requests, so every stage has one to work on.
+            share = -(-(self.num_running + self.num_waiting) // self.pipeline_depth)
+            sched = self.scheduler.schedule(hold_pending=True, max_seqs=max(1, share))
+            self.stats.preemptions += len(sched.preempted)
+            if not sched.chunks:
+                break
+            launched = self._forward_and_sample(sched)
+            self.scheduler.commit(sched)
+            for chunk in sched.chunks:
+                if chunk.samples:
+                    chunk.seq.num_pending += 1
+            self.stats.overlapped_steps += bool(self._pipe)
+            self._pipe.append((sched, launched))
+        if not self._pipe:
+            return []
+        sched, launched = self._pipe.popleft()
+        self._count(sched)
+        return [self._emit(seq, sampled) for seq, sampled in self._read(sched, launched)]
 
     def _can_schedule_ahead(self, sched: SchedulerOutput) -> bool:
         """Whether the next step can be launched with ``sched``'s tokens still unread.

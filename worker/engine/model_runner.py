@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -78,16 +79,36 @@ class ModelInput:
     sample_rows: torch.Tensor  # [S] int64: the flat row of each sampling chunk's last token
 
 
+class PipelineLink(Protocol):
+    """A pipeline stage's links (``worker.parallel.model_group.ModelGroup``)."""
+
+    sends_tokens: bool  # the last stage's first shard: it hands rank 0 the sampled tokens
+    receives_tokens: bool  # rank 0
+
+    def send_next(self, x: torch.Tensor) -> None: ...
+
+    def recv_previous(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+
+    def send_tokens(self, out: SamplerOutput) -> None: ...
+
+    def recv_tokens(self) -> SamplerOutput: ...
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, spec: KVCacheSpec, *, max_model_len: int | None = None,
                  cuda_graph_max_batch: int = 0, kv_dtype: torch.dtype | None = None,
-                 lora: LoraManager | None = None) -> None:
+                 lora: LoraManager | None = None, stage: PipelineLink | None = None) -> None:
         """``cuda_graph_max_batch`` > 0 (CUDA only): capture decode steps of up to that many
         sequences, each context up to ``max_model_len`` tokens, in CUDA graphs (with
         ``lora``, each size twice: without adapters and with). ``kv_dtype``: the cache's
-        element type (default the model's)."""
+        element type (default the model's). ``stage``: the links of a pipeline stage
+        (``worker.parallel``): the residual stream comes from the stage before and goes to the
+        next, the last stage samples and hands the tokens to rank 0; steps run eagerly."""
         self.model = model
         self.lora = lora
+        self.stage = stage
+        if stage is not None:
+            cuda_graph_max_batch = 0
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = spec.block_size
@@ -126,6 +147,8 @@ class ModelRunner:
         """Queue the step's forward pass (as ``launch``); its sampling is left to ``sample``,
         so grammar masks can be computed on the host meanwhile."""
         rows = [c.seq for c in sched.chunks if c.samples]
+        if self.stage is not None:
+            return self._forward_stage(sched, block_tables, rows)
         fill = self._pending_inputs(sched, previous)
         adapters = self._adapter_slots(sched)
         if self.graphs is not None and self._graph_step(sched):
@@ -150,6 +173,23 @@ class ModelRunner:
                             PagedAttention(self.kv_cache, inp.meta, self.scale), lora)
         return StepLogits(self.model.compute_logits(hidden[inp.sample_rows]), rows)
 
+    def _forward_stage(self, sched: SchedulerOutput, block_tables: list[list[int]],
+                       rows: list[Sequence]) -> StepLogits:
+        """A pipeline stage's share of the step: its layers over the stream the stage before
+        sent (the first stage: the token ids), then on to the next stage, or (the last) the
+        logits."""
+        assert self.stage is not None
+        inp = self.prepare(sched, block_tables)
+        stream = (None if self.model.partition is None or self.model.partition.first
+                  else self.stage.recv_previous((inp.input_ids.shape[0], self.model.cfg.hidden_size),
+                                                self.dtype))
+        out = self.model(inp.input_ids, inp.positions,
+                         PagedAttention(self.kv_cache, inp.meta, self.scale), None, stream)
+        if not self.model.is_last_stage:
+            self.stage.send_next(out)
+            return StepLogits(out.new_empty(0), rows)
+        return StepLogits(self.model.compute_logits(out[inp.sample_rows]), rows)
+
     def _adapter_slots(self, sched: SchedulerOutput) -> list[int] | None:
         """Each chunk's adapter slot (``NO_ADAPTER`` for the base model), its adapters made
         resident; None when no chunk has an adapter."""
@@ -163,8 +203,22 @@ class ModelRunner:
                 for c in sched.chunks]
 
     def sample(self, step: StepLogits, mask: TokenMask | None = None) -> SamplerLaunch:
-        """Queue the sampling of a forward pass's logits, ``mask`` applied first."""
-        return self.sampler.launch(step.logits, step.rows, mask)
+        """Queue the sampling of a forward pass's logits, ``mask`` applied first. A pipeline's
+        last stage samples and sends rank 0 the tokens (its first shard does); rank 0 reads
+        them from there; the other stages have nothing to sample."""
+        if self.stage is None:
+            return self.sampler.launch(step.logits, step.rows, mask)
+        ids = [row.request_id for row in step.rows]
+        none = torch.empty(0, dtype=torch.long, device=self.device)
+        if self.model.is_last_stage:
+            launch = self.sampler.launch(step.logits, step.rows, mask)
+            if self.stage.sends_tokens:
+                self.stage.send_tokens(launch())
+            return launch
+        if self.stage.receives_tokens:
+            stage = self.stage
+            return SamplerLaunch(ids, none, stage.recv_tokens)
+        return SamplerLaunch(ids, none, lambda: SamplerOutput([], []))
 
     def _pending_inputs(self, sched: SchedulerOutput, previous: SamplerLaunch | None
                         ) -> Callable[[torch.Tensor], None] | None:
@@ -215,7 +269,7 @@ class ModelRunner:
             if chunk.num_tokens == 1:
                 ids.append(_first_input(chunk))
             else:
-                ids += chunk.seq.all_ids()[chunk.start : end]
+                ids += chunk.seq.ids_between(chunk.start, end)
             span = range(chunk.start, end)
             positions += span
             slots += [slot_of(table, p, bs) for p in span]

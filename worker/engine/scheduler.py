@@ -108,7 +108,13 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, hold_pending: bool = False, max_seqs: int | None = None
+                 ) -> SchedulerOutput:
+        """The next step. ``hold_pending`` (pipeline parallelism, several steps in flight):
+        requests with a token still being sampled sit this step out, so a step never needs
+        the tokens of another step in flight; ``max_seqs``: at most this many requests in
+        the step (so the running requests split into groups that take turns)."""
+        cap = self.config.max_num_seqs if max_seqs is None else max_seqs
         out = SchedulerOutput()
         self.running.sort(key=Sequence.sort_key)
         # A request holding its last token (still being sampled) needs no more compute: it
@@ -117,6 +123,8 @@ class Scheduler:
         prefills: list[Sequence] = []
         for seq in self.running:
             left = seq.num_uncomputed
+            if hold_pending and seq.num_pending:
+                continue
             if left > 1:
                 prefills.append(seq)
             elif left == 1 and not seq.is_complete:
@@ -124,8 +132,8 @@ class Scheduler:
         for seq in decodes + prefills:
             # A preempted victim's chunk leaves the batch, so the budget is recounted each time.
             budget = self.config.max_num_batched_tokens - out.num_batched_tokens
-            if seq.status is not SeqStatus.RUNNING or budget == 0:
-                continue  # preempted earlier in this loop, or no budget left
+            if seq.status is not SeqStatus.RUNNING or budget == 0 or len(out.chunks) >= cap:
+                continue  # preempted earlier in this loop, or no budget or room left
             n = min(seq.num_uncomputed, budget)
             end = seq.num_computed + n
             # Most decodes land in a block the request holds already: nothing to make room for
@@ -136,7 +144,8 @@ class Scheduler:
                 self.blocks.append_slot(seq.request_id, end)
             out.add(ScheduledChunk.of(seq, n))
         if not out.preempted:  # under memory pressure, let running requests finish first
-            self._admit_waiting(self.config.max_num_batched_tokens - out.num_batched_tokens, out)
+            self._admit_waiting(self.config.max_num_batched_tokens - out.num_batched_tokens, out,
+                                hold_pending, cap)
         return out
 
     def commit(self, out: SchedulerOutput) -> None:
@@ -156,13 +165,17 @@ class Scheduler:
             if seq.num_computed // bs > chunk.start // bs:  # a block became full: register it
                 self.blocks.commit(seq.request_id, seq.all_ids(), seq.num_computed)
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+    def _admit_waiting(self, budget: int, out: SchedulerOutput,
+                       hold_pending: bool = False, cap: int | None = None) -> None:
         i = 0
         adapters_closed = False  # an earlier request's adapter found no slot
-        while (i < len(self.waiting) and budget > 0
+        cap = self.config.max_num_seqs if cap is None else cap
+        while (i < len(self.waiting) and budget > 0 and len(out.chunks) < cap
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[i]
-            if seq.blocked:  # a sibling computes the shared prompt first: let others pass
+            # Blocked: a sibling computes the shared prompt first. Pending: preempted with a
+            # token still in flight. Either way, let others pass.
+            if seq.blocked or (hold_pending and seq.num_pending):
                 i += 1
                 continue
             if seq.adapter is not None and (adapters_closed or not self._adapter_fits(seq)):

@@ -89,6 +89,15 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_between(self, start: int, end: int) -> list[int]:
+        """The known tokens at positions ``start`` to ``end`` (a prompt chunk's inputs)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
     def token_at(self, position: int) -> int:
         """The token at ``position`` without building ``all_ids()`` (a decode step's input)."""
         n = len(self.prompt_ids)

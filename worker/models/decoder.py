@@ -10,6 +10,14 @@ A layer with none of those features (Llama's, Mistral's without a window) keeps 
 paths: few rows on a GPU fold each norm into the projection after it and each residual add
 into the one before; the CPU's 8-bit path runs the whole layer in one native call.
 
+A rank of a parallel worker (``worker.parallel``) builds the model of its share (``Partition``):
+a config with its heads, MLP columns and layers, the embedding and LM head rows of its
+vocabulary slice. Row-parallel projections (o, down, the experts' down) then give partial
+sums that ``TensorComm.all_reduce`` adds up (the residual added by rank 0 alone), the
+embedding is summed over the slices and the logits gathered; a pipeline stage takes the
+residual stream from the stage before instead of token ids, and only the last one has the
+final norm and the LM head.
+
 A step with LoRA adapters (``LoraBatch``) adds each row's adapter to every projection's output
 (``kernels.ops.add_lora``): the normed inputs of q/k/v and gate/up, which the fused paths never
 write out, are normed inside the adapter's shrink, and SiLU runs after gate/up's adapter.
@@ -64,6 +72,31 @@ class AttentionBackend(Protocol):
         """Layer ``layer``'s paged cache and the step's metadata, so a whole-layer kernel may
         run the layer; None where there is no paged cache to hand over."""
         ...
+
+
+class TensorComm(Protocol):
+    """The collectives of a tensor-parallel group (``worker.parallel.model_group``)."""
+
+    tp_rank: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group, in place; returns it."""
+        ...
+
+    def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, C] on each rank -> [N, tp * C], rank order."""
+        ...
+
+
+@dataclass(slots=True)
+class Partition:
+    """The share of the model one rank of a parallel worker holds; ``comm`` is set once the
+    process group is up (the model is built on the meta device first)."""
+
+    vocab_rows: range  # the embedding's and LM head's rows (padded past the vocabulary)
+    first: bool  # the first pipeline stage: takes token ids, holds the embedding
+    last: bool  # the last stage: holds the final norm and the LM head
+    comm: TensorComm | None = None  # None: a single shard (no tensor parallelism)
 
 
 class CausalAttention:
@@ -140,6 +173,7 @@ class DecoderLayer(nn.Module):
         self.mlp_out_norm = nn.Parameter(torch.ones(h)) if cfg.sandwich_norms else None
         # Llama's layer exactly: the fused paths (few-row GPU streams, the CPU's whole-layer
         # call) compute only that.
+        self.comm: TensorComm | None = None  # set by DecoderModel.connect
         self.plain = (not (cfg.qkv_bias or cfg.o_bias or cfg.qk_norm or cfg.sandwich_norms)
                       and self.experts is None and cfg.hidden_act == "silu"
                       and self.spec == LayerAttention(cfg.head_dim ** -0.5))
@@ -165,7 +199,7 @@ class DecoderLayer(nn.Module):
         e4m3)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        if self.plain and lora is None:
+        if self.plain and lora is None and self.comm is None:
             paged = attn.paged_layer(layer)
             if paged is not None and (done := ops.decoder_layer(
                     hidden, residual, self.weights(), positions, rope_cache, paged)) is not None:
@@ -177,12 +211,13 @@ class DecoderLayer(nn.Module):
                 ops.add_lora(qkv, hidden, stacks.qkv, rows, norm=(self.input_norm, eps))
             out = self._attention(self._bias(qkv, self.qkv_proj), positions, rope_cache, attn,
                                   layer)
-            stream = self._bias(ops.linear(out, self.o_proj.weight, add=hidden), self.o_proj)
+            stream = ops.linear(out, self.o_proj.weight, add=self._once(hidden))
+            stream = self._bias(self._reduce(stream), self.o_proj)
             if stacks is not None:
                 ops.add_lora(stream, out, stacks.o, rows)
             if self.experts is not None:
                 x = ops.rms_norm(stream, self.post_attn_norm, eps)[0]
-                return stream + self.experts(x), None
+                return stream + self._reduce(self.experts(x)), None
             silu = cfg.hidden_act == "silu"
             if stacks is None or stacks.gate_up is None:
                 act = ops.norm_linear(stream, self.post_attn_norm, eps,
@@ -195,7 +230,7 @@ class DecoderLayer(nn.Module):
                 ops.add_lora(gate_up, stream, stacks.gate_up, rows,
                              norm=(self.post_attn_norm, eps))
                 act = ops.silu_and_mul(gate_up) if silu else ops.gelu_and_mul(gate_up)
-            hidden = ops.linear(act, self.down_proj.weight, add=stream)
+            hidden = self._reduce(ops.linear(act, self.down_proj.weight, add=self._once(stream)))
             if stacks is not None and stacks.down is not None:
                 ops.add_lora(hidden, act, stacks.down, rows)
             return hidden, None
@@ -205,14 +240,14 @@ class DecoderLayer(nn.Module):
             ops.add_lora(qkv, residual, stacks.qkv, rows, norm=(self.input_norm, eps))
         out = self._attention(self._bias(qkv, self.qkv_proj), positions, rope_cache, attn,
                               layer)
-        hidden = self._bias(ops.linear(out, self.o_proj.weight), self.o_proj)
+        hidden = self._bias(self._reduce(ops.linear(out, self.o_proj.weight)), self.o_proj)
         if stacks is not None:
             ops.add_lora(hidden, out, stacks.o, rows)
         if self.attn_out_norm is not None:
             hidden = ops.rms_norm(hidden, self.attn_out_norm, eps)[0]
         if self.experts is not None:
             x, residual = ops.rms_norm(hidden, self.post_attn_norm, eps, residual)
-            out = self.experts(x)
+            out = self._reduce(self.experts(x))
         else:
             gate_up, residual = ops.norm_project(hidden, self.post_attn_norm, eps, residual,
                                                  self.gate_up_proj.weight)
@@ -227,9 +262,19 @@ class DecoderLayer(nn.Module):
                 out = (ops.silu_project(gate_up, self.down_proj.weight)
                        if cfg.hidden_act == "silu"
                        else ops.linear(ops.gelu_and_mul(gate_up), self.down_proj.weight))
+            out = self._reduce(out)
         if self.mlp_out_norm is not None:
             out = ops.rms_norm(out, self.mlp_out_norm, eps)[0]
         return out, residual
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's partial output summed over the shards."""
+        return x if self.comm is None else self.comm.all_reduce(x)
+
+    def _once(self, residual: torch.Tensor) -> torch.Tensor | None:
+        """The residual a row-parallel projection adds: on one shard only, so the sum over
+        the shards holds it once."""
+        return residual if self.comm is None or self.comm.tp_rank == 0 else None
 
     @staticmethod
     def _bias(x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
@@ -262,15 +307,23 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, partition: Partition | None = None) -> None:
+        """``partition``: the share a rank of a parallel worker holds (``cfg`` is then that
+        rank's config, ``worker.parallel.layout.RankPlace.local_config``)."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.partition = partition
+        rows = cfg.vocab_size if partition is None else len(partition.vocab_rows)
+        first = partition is None or partition.first
+        last = partition is None or partition.last
+        # A stage holds the embedding if it takes token ids, or its LM head is the embedding.
+        self.embed_tokens = (nn.Embedding(rows, cfg.hidden_size)
+                             if first or (last and cfg.tie_word_embeddings) else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = (
-            None if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if cfg.tie_word_embeddings or not last
+            else nn.Linear(cfg.hidden_size, rows, bias=False)
         )
         self.register_buffer("rope_cache", global_rope(cfg), persistent=False)
         self.register_buffer("rope_cache_local", local_rope(cfg), persistent=False)
@@ -280,28 +333,71 @@ class DecoderModel(nn.Module):
         local = self.rope_cache_local
         return local if local is not None and self.cfg.local_rope(layer) else self.rope_cache
 
+    def connect(self, comm: TensorComm | None) -> None:
+        """Hand the model its tensor-parallel group's collectives (parallel workers)."""
+        assert self.partition is not None
+        self.partition.comm = comm
+        for layer in self.layers:
+            layer.comm = comm  # type: ignore[assignment]
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.partition is None or self.partition.last
+
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
-        lora: LoraBatch | None = None,
+        lora: LoraBatch | None = None, stream: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, H]; ``lora``: each row's
-        adapter, where the step has any."""
-        hidden = self.embed_tokens(input_ids)
-        if self.cfg.embed_scale is not None:
-            # In the hidden dtype, as the reference rounds it (sqrt(2304) is not exact in bf16).
-            hidden = hidden * torch.tensor(self.cfg.embed_scale, dtype=hidden.dtype)
+        adapter, where the step has any. A later pipeline stage takes the residual stream
+        [T, H] the stage before returned (``stream``) instead of ids, and a stage before the
+        last returns its residual stream."""
+        if stream is None:
+            hidden = self.embed(input_ids)
+            if self.cfg.embed_scale is not None:
+                # In the hidden dtype, as the reference rounds it (sqrt(2304) is not exact
+                # in bf16).
+                hidden = hidden * torch.tensor(self.cfg.embed_scale, dtype=hidden.dtype)
+        else:
+            hidden = stream
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, positions, self.rope_for(i), attn, i,
                                      None if lora is None else lora.layer(i))
+        if not self.is_last_stage:
+            # The one tensor the next stage needs; its first layer adds the two itself
+            # otherwise, the same float sum.
+            return hidden if residual is None else hidden + residual
         return ops.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [T] -> embeddings [T, H]; a vocabulary shard looks up the ids in its
+        rows, zeros elsewhere, and the shards' sum is every row."""
+        assert self.embed_tokens is not None
+        part = self.partition
+        if part is None or part.comm is None:
+            return self.embed_tokens(input_ids)
+        rows = part.vocab_rows
+        inside = (input_ids >= rows.start) & (input_ids < rows.stop)
+        hidden = self.embed_tokens(torch.where(inside, input_ids - rows.start, 0))
+        hidden.masked_fill_(~inside[:, None], 0)
+        return part.comm.all_reduce(hidden)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, V]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = ops.linear(hidden, weight).float()
+        """hidden [N, H] -> float32 logits [N, V] (the last stage's; vocabulary shards
+        gathered)."""
+        if self.lm_head is not None:
+            weight = self.lm_head.weight
+        else:
+            assert self.embed_tokens is not None
+            weight = self.embed_tokens.weight
+        logits = ops.linear(hidden, weight)
+        part = self.partition
+        if part is not None and part.comm is not None:
+            logits = part.comm.all_gather_columns(logits)[:, : self.cfg.vocab_size]
+        logits = logits.float()
         if (cap := self.cfg.final_softcap) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
@@ -341,10 +437,13 @@ class DecoderModel(nn.Module):
             setattr(self.get_submodule(parent) if parent else self, attr, linear)
 
     def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor],
-                           sources: Sequence[TensorSource] | None = None) -> None:
+                           sources: Sequence[TensorSource] | None = None,
+                           shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+                           ) -> None:
         """Load weights named as ``sources`` say (default: ``hf_tensor_sources``, the names
         transformers' Llama-style models use); raises naming any missing tensor. Modules
-        already packed (``adopt_packed``) are skipped."""
+        already packed (``adopt_packed``) are skipped. ``shard`` (a parallel worker's rank):
+        (parameter, whole tensor) -> the rank's slice, applied as each tensor is read."""
         sources = hf_tensor_sources(self.cfg) if sources is None else sources
         missing: list[str] = []
         with torch.no_grad():
@@ -360,6 +459,8 @@ class DecoderModel(nn.Module):
                     continue
                 parts = [tensors[name] for name in src.names]
                 value = parts[0] if len(parts) == 1 else torch.cat(parts)
+                if shard is not None:
+                    value = shard(src.param, value)
                 if value.numel() != param.numel() or (
                         len(parts) == 1 and tuple(value.shape) != tuple(param.shape)):
                     raise ValueError(f"tensor {src.label}: shape {tuple(value.shape)}, "

@@ -63,6 +63,15 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("tidegate_num_preemptions",
                                   "Requests preempted (blocks freed, recomputed later).",
                                   engine.stats.preemptions)
+        layout = engine.group.place.layout if engine.group is not None else None
+        yield GaugeMetricFamily("tidegate_worker_ranks",
+                                "Processes (and devices) of this worker: tensor x pipeline "
+                                "parallel size.", 1 if layout is None else layout.world)
+        if engine.pipeline_depth:
+            yield CounterMetricFamily("tidegate_pipeline_overlapped_steps",
+                                      "Steps launched while an earlier step was still in the "
+                                      "pipeline (the stages worked on both at once).",
+                                      engine.stats.overlapped_steps)
 
 
 class _LoopCpuCollector(Collector):

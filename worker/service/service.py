@@ -51,7 +51,9 @@ from redis.exceptions import RedisError
 
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
+from tidegate.model_files.model_source import resolve_model
 from tidegate.model_files.served_model import ServedModel, served_models
+from tidegate.model_files.tokenizer import load_tokenizer
 from tidegate.operations.status_server import StatusServer
 from tidegate.protocol import Job, SamplingParams, now_ms
 from tidegate.redis_conn import connect
@@ -68,6 +70,8 @@ from worker.engine.engine import (
     ResumeError,
 )
 from worker.engine.grammar_masks import GrammarUnavailable
+from worker.parallel.layout import ParallelLayout
+from worker.parallel.parallel_engine import start_parallel_engine
 from worker.service.adapter_loader import AdapterLoader
 from worker.service.arrivals import IDLE_BLOCK_MS, Arrival, ArrivalIntake
 from worker.service.cancel_listener import CancelListener
@@ -487,6 +491,9 @@ def build_engine(settings: Settings) -> Engine:
         torch.set_num_threads(settings.torch_threads)
     dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
     packed = {"auto": None, "packed": True, "dequantized": False}[settings.weights]
+    layout = ParallelLayout(settings.tensor_parallel_size, settings.pipeline_parallel_size)
+    if layout.world > 1:
+        return _build_parallel_engine(settings, layout)
     loaded = load_model(settings.model, device=settings.device, dtype=dtype, packed=packed,
                         quantize=settings.quantize, cpu_activations=settings.cpu_activations)
     packed_types = loaded.packed_types()
@@ -496,8 +503,15 @@ def build_engine(settings: Settings) -> Engine:
              f", packed {'+'.join(packed_types)}, {loaded.activations()} activations"
              if packed_types else "")
     max_len = min(loaded.tokenizer.max_context, loaded.config.max_position_embeddings)
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
-        max_model_len=max_len,
+    engine = Engine(loaded.model, loaded.tokenizer,
+                    engine_config(settings, max_len, settings.max_loras))
+    _prepare_grammars(engine)
+    return engine
+
+
+def engine_config(settings: Settings, max_model_len: int, max_loras: int) -> EngineConfig:
+    return EngineConfig(
+        max_model_len=max_model_len,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
         block_size=settings.block_size,
@@ -506,13 +520,34 @@ def build_engine(settings: Settings) -> Engine:
         kv_cache_dtype=settings.kv_cache_dtype,
         prefix_caching=settings.prefix_caching,
         cuda_graphs=settings.cuda_graphs,
-        max_loras=settings.max_loras,
+        max_loras=max_loras,
         max_lora_rank=settings.max_lora_rank,
-    ))
+    )
+
+
+def _prepare_grammars(engine: Engine) -> None:
     try:  # the grammar engine's token tables now, not on the first constrained job
         engine.grammars.prepare()
     except GrammarUnavailable as exc:
         log.warning("structured outputs unavailable: %s", exc)
+
+
+def _build_parallel_engine(settings: Settings, layout: ParallelLayout) -> Engine:
+    """Rank 0 of a tensor- or pipeline-parallel worker (``worker.parallel``); LoRA off."""
+    from worker.models.loaders.loader import check_layout
+
+    # The other ranks need the engine's config before rank 0 has loaded anything: the
+    # context comes from the model's config and tokenizer, read without the weights.
+    config = check_layout(settings.model, layout)
+    tokenizer = load_tokenizer(resolve_model(settings.model))
+    engine = start_parallel_engine(
+        settings.model, layout,
+        engine_config(settings, min(tokenizer.max_context, config.max_position_embeddings),
+                      max_loras=0),
+        device=settings.device, dtype=settings.dtype,
+        quantize=None if settings.quantize == "none" else settings.quantize,
+        torch_threads=settings.torch_threads)
+    _prepare_grammars(engine)
     return engine
 
 
@@ -552,6 +587,8 @@ async def serve(settings: Settings) -> int:
         codes = await asyncio.gather(*(s.run() for s in services))
         return max(codes)
     finally:
+        for service in services:  # a parallel worker's other ranks stop with it
+            service.engine.close()
         await redis.aclose()
         if status is not None:
             status.stop()

@@ -254,3 +254,65 @@ def test_the_prefix_cache_keeps_each_adapter_apart() -> None:
     out = step(s)
     computed = {c.seq.request_id: c.num_tokens for c in out.chunks if c.seq.request_id != "base"}
     assert computed == {"same": 1, "lora": 13}  # the base's 3 full blocks serve only the base
+
+
+def test_holding_pending_requests_splits_the_running_into_turns() -> None:
+    """Pipeline parallelism: a request whose token is still in flight sits the next step out,
+    so consecutive steps hold different requests; once its token is in, it is scheduled."""
+    s = make(max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = seq("a", 5), seq("b", 5, start=50)
+    s.add(a)
+    first = s.schedule(hold_pending=True)
+    s.commit(first)
+    a.num_pending += 1  # launched, its token not read yet
+    s.add(b)
+    second = s.schedule(hold_pending=True)
+    assert [c.seq.request_id for c in second.chunks] == ["b"]
+    s.commit(second)
+    b.num_pending += 1
+    assert s.schedule(hold_pending=True).chunks == []  # both in flight: nothing to run
+    a.num_pending -= 1
+    a.output_ids.append(9)  # a's token read back
+    third = s.schedule(hold_pending=True)
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in third.chunks] == [("a", 5, 1)]
+    # Without holding, a pending decode is scheduled at once (async scheduling).
+    assert [c.seq.request_id for c in s.schedule().chunks] == ["a", "b"]
+
+
+def test_a_preempted_request_with_a_token_in_flight_waits_for_it() -> None:
+    s = make(max_num_seqs=4, max_num_batched_tokens=64)
+    a = seq("a", 5)
+    s.add(a)
+    s.commit(s.schedule(hold_pending=True))
+    a.num_pending += 1
+    s.remove(a)
+    a.status = SeqStatus.WAITING  # preempted: back to waiting with its token in flight
+    a.num_computed = 0
+    s.waiting.append(a)
+    assert s.schedule(hold_pending=True).chunks == []
+    a.num_pending -= 1
+    a.output_ids.append(3)
+    # Admitted again (its first block from the prefix cache), up to its token just read.
+    assert [(c.start, c.start + c.num_tokens) for c in s.schedule(hold_pending=True).chunks
+            ] == [(4, 6)]
+
+
+def test_a_step_takes_at_most_its_share_of_the_requests() -> None:
+    """Pipeline parallelism: with a share of two, four requests make two steps of two."""
+    s = make(max_num_seqs=8, max_num_batched_tokens=64)
+    seqs = [seq(f"s{i}", 3, start=10 * i) for i in range(4)]
+    for q in seqs:
+        s.add(q)
+    first = s.schedule(hold_pending=True, max_seqs=2)
+    assert [c.seq.request_id for c in first.chunks] == ["s0", "s1"]
+    s.commit(first)
+    for c in first.chunks:
+        c.seq.num_pending += 1
+    second = s.schedule(hold_pending=True, max_seqs=2)
+    assert [c.seq.request_id for c in second.chunks] == ["s2", "s3"]
+    s.commit(second)
+    for q in seqs[:2]:  # the first step's tokens come back: those two run again
+        q.num_pending -= 1
+        q.output_ids.append(5)
+    assert [c.seq.request_id for c in s.schedule(hold_pending=True, max_seqs=2).chunks] == [
+        "s0", "s1"]

@@ -36,7 +36,13 @@ from kernels.native_cpu import native_kernels
 from tidegate.model_files.model_source import ModelLoadError, ModelSource, resolve_model
 from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
 from worker.models.config import ModelConfig
-from worker.models.decoder import DecoderModel, TensorSource, global_rope, local_rope
+from worker.models.decoder import (
+    DecoderModel,
+    Partition,
+    TensorSource,
+    global_rope,
+    local_rope,
+)
 from worker.models.loaders.gguf_weights import GGUFWeights
 from worker.models.loaders.hf_weights import SafetensorsWeights
 from worker.models.loaders.quantized.quantized_safetensors import (
@@ -45,6 +51,8 @@ from worker.models.loaders.quantized.quantized_safetensors import (
 )
 from worker.models.loaders.random_weights import init_random_weights, preset_llama_config
 from worker.models.packed_modules import PackedMatrix, use_activations
+from worker.parallel.layout import LayoutError, ParallelLayout, RankPlace
+from worker.parallel.weight_shards import WeightSharder, init_random_shard, stage_sources
 
 
 @dataclass
@@ -98,6 +106,7 @@ def load_model(
     packed: bool | None = None,
     quantize: str | None = None,
     cpu_activations: str = "auto",
+    place: RankPlace | None = None,
 ) -> LoadedModel:
     """Load a model by spec ("smollm2", a directory, a .gguf file, "random:<preset>").
 
@@ -106,7 +115,8 @@ def load_model(
     native kernels built; False: dequantize everything). ``quantize`` (``fp8``, ``rtn-int8``,
     ``rtn-int4``; ``worker.quantization.online``): round a float model's projections at load.
     ``cpu_activations``: what packed matrices on the CPU multiply, "int8" or "float"
-    (``CPU_ACTIVATIONS``; "auto": int8).
+    (``CPU_ACTIVATIONS``; "auto": int8). ``place``: a rank of a parallel worker, which loads
+    only its share (``worker.parallel``; quantized files are dequantized then).
     Raises ``ModelLoadError`` naming what is wrong.
     """
     if cpu_activations not in CPU_ACTIVATIONS:
@@ -117,7 +127,9 @@ def load_model(
               else spec_or_source)
     dtype = dtype or default_dtype(device)
     tokenizer = load_tokenizer(source)
-    if source.kind == "random":
+    if place is not None and place.layout.world > 1:
+        model, config = _load_share(source, place, device, dtype, seed)
+    elif source.kind == "random":
         assert source.preset is not None
         config = preset_llama_config(source.preset)
         model = empty_model(config, device, dtype)
@@ -159,6 +171,55 @@ def load_model(
         use_activations(model, "int8" if cpu_activations == "auto" else cpu_activations)
     loaded.load_s = time.perf_counter() - start
     return loaded
+
+
+def _weights(source: ModelSource
+             ) -> tuple[ModelConfig, GGUFWeights | SafetensorsWeights | QuantizedSafetensors | None]:
+    """A model's config and its lazy tensors (None: random weights)."""
+    if source.kind == "random":
+        assert source.preset is not None
+        return preset_llama_config(source.preset), None
+    assert source.path is not None
+    quantized = source.kind == "hf" and quantization_config(source.path) is not None
+    weights = (GGUFWeights(source.path) if source.kind == "gguf"
+               else QuantizedSafetensors(source.path) if quantized
+               else SafetensorsWeights(source.path))
+    return weights.config, weights
+
+
+def check_layout(spec: str, layout: ParallelLayout) -> ModelConfig:
+    """The model's config, once ``layout`` is known to split it (``ModelLoadError`` naming
+    why not); reads no weights."""
+    source = resolve_model(spec)
+    config, _ = _weights(source)
+    try:
+        layout.check(config)
+    except LayoutError as exc:
+        raise ModelLoadError(f"{source.name}: {exc}") from None
+    return config
+
+
+def _load_share(source: ModelSource, place: RankPlace, device: str | torch.device,
+                dtype: torch.dtype, seed: int) -> tuple[DecoderModel, ModelConfig]:
+    """One rank's share of the model (``place``) and the whole model's config."""
+    config, weights = _weights(source)
+    try:
+        place.layout.check(config)
+    except LayoutError as exc:
+        raise ModelLoadError(f"{source.name}: {exc}") from None
+    model = empty_model(place.local_config(config), device, dtype, partition=Partition(
+        place.vocab_rows(config.vocab_size), place.first_stage, place.last_stage))
+    if weights is None:
+        init_random_shard(model, config, place, seed)
+        return model, config
+    try:
+        model.load_hf_state_dict(
+            DequantizedView(weights) if isinstance(weights, QuantizedSafetensors) else weights,
+            stage_sources(weights.sources, place, config.num_layers, model),
+            shard=WeightSharder(config, place))
+    except (KeyError, ValueError) as exc:
+        raise ModelLoadError(f"{source.path}: {exc}") from exc
+    return model, config
 
 
 def _quantize_at_load(loaded: LoadedModel, method: str, device: str | torch.device,
@@ -217,7 +278,8 @@ def packed_serves(device: str | torch.device, dtype: torch.dtype) -> bool:
 
 def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dtype, *,
                 packed: Callable[[str], PackedMatrix | None] | None = None,
-                sources: Sequence[TensorSource] | None = None) -> DecoderModel:
+                sources: Sequence[TensorSource] | None = None,
+                partition: Partition | None = None) -> DecoderModel:
     """A model with uninitialised weights allocated once, in ``dtype`` on ``device``.
 
     Built on the meta device first so an 8B model never exists as a float32 CPU copy; the rope
@@ -226,7 +288,7 @@ def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dt
     allocated.
     """
     with torch.device("meta"):
-        model = DecoderModel(config)
+        model = DecoderModel(config, partition)
     if packed is not None:
         model.adopt_packed(packed, sources)
     model = model.to(dtype=dtype).to_empty(device=device)

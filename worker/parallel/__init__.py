@@ -1,0 +1,1 @@
+"""Models larger than one device: tensor and pipeline parallelism over ``torch.distributed``."""
