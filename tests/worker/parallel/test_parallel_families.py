@@ -40,3 +40,24 @@ def test_every_family_splits(family: str, tmp_path: Path) -> None:
             assert tokens(run(engine, reqs)) == want, (tp, pp)
         finally:
             engine.close()
+
+
+def test_the_default_model_splits_three_ways() -> None:
+    """SmolLM2 (9 heads, 3 KV heads, 30 layers; its GGUF dequantized on every rank): TP=3 and
+    PP=3 answer a chat prompt with the single process's greedy tokens."""
+    loaded = load_model("smollm2", packed=False)
+    tok = loaded.tokenizer
+    config = EngineConfig(max_model_len=512, num_blocks=64)
+    chats = ["What is the capital of France?", "Write a haiku about the sea."]
+    reqs = [EngineRequest(f"c{i}", tok.encode_prompt(None, [{"role": "user", "content": c}]),
+                          SamplingParams(max_tokens=16, temperature=0.0))
+            for i, c in enumerate(chats)]
+    want = tokens(run(Engine(loaded.model, tok, config), reqs))
+    assert "Paris" in tok.decode(want["c0"])
+    for tp, pp in [(3, 1), (1, 3)]:
+        engine = start_parallel_engine("smollm2", ParallelLayout(tp, pp), config,
+                                       torch_threads=1)
+        try:
+            assert tokens(run(engine, reqs)) == want, (tp, pp)
+        finally:
+            engine.close()
