@@ -30,6 +30,7 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 # chunk takes a second broadcast.
 MESSAGE_BYTES = 64 * 1024
 _HEADER = 8
+IDLE_FOREVER = datetime.timedelta(days=365)
 
 
 def is_peer_lost(exc: BaseException) -> bool:
@@ -52,8 +53,12 @@ class ModelGroup:
         self.place = place
         self.device = device
         layout = place.layout
-        timeout = datetime.timedelta(seconds=timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
+        # gloo waits carry no deadline: the other ranks wait for rank 0's next step however
+        # long the worker idles, and a rank that dies is noticed by the processes watching it
+        # (``rank_processes``), not by a timeout. NCCL's watchdog bounds a collective in
+        # flight (``timeout_s``).
+        timeout = datetime.timedelta(seconds=timeout_s) if backend == "nccl" else IDLE_FOREVER
         dist.init_process_group(backend, init_method=init_method, rank=place.rank,
                                 world_size=layout.world, timeout=timeout)
         # Every rank creates every group, in the same order (new_group is collective).
@@ -62,7 +67,7 @@ class ModelGroup:
             group = dist.new_group(place.stage_ranks(stage), backend=backend)
             if stage == place.pp_rank:
                 self._tp_group = group
-        self._control: Any = (dist.new_group(backend="gloo", timeout=timeout)
+        self._control: Any = (dist.new_group(backend="gloo", timeout=IDLE_FOREVER)
                               if backend != "gloo" else dist.group.WORLD)
         self._buffer = torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
         self._sending: tuple[Any, torch.Tensor] | None = None  # the last stream sent on
