@@ -257,7 +257,7 @@ def decode_device_ms(engine: Engine, loaded) -> dict[str, float]:
     graphs = engine.runner.graphs
     if graphs is None:
         return {}
-    captured = graphs._graphs[max(graphs.sizes)]
+    captured = graphs._graphs[(max(graphs.sizes), False)]  # without adapters
     ms = cuda_time_ms(captured.graph.replay, iters=10)
     head_ms = cuda_time_ms(lambda: loaded.model.compute_logits(captured.hidden), iters=10)
     return {"decode_graph_ms": ms, "decode_lm_head_ms": head_ms,
