@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.worker.engine.test_engine_structured import conforms, mixed_requests
 from tidegate.protocol import SamplingParams
 from worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from worker.models.loaders.loader import load_model
@@ -126,3 +127,17 @@ def test_one_parallel_engine_per_process(parallel: Engine) -> None:
     with pytest.raises(ValueError, match="one per process"):
         start_parallel_engine("random:tiny", ParallelLayout(2, 1), CONFIG)
     assert run(parallel, workload()[:1])  # the running one is unharmed
+
+
+def test_structured_outputs_the_same_on_every_layout(parallel: Engine) -> None:
+    """Grammar masks travel with each step's sampling to every rank that samples: every
+    format's greedy and seeded outputs are the single process's."""
+    loaded = load_model("random:tiny")
+    reqs = mixed_requests(loaded)
+    want = run(Engine(loaded.model, loaded.tokenizer, CONFIG), reqs)
+    got = run(parallel, reqs)
+    assert tokens(got) == tokens(want)
+    for rid, outs in got.items():
+        kind = rid.split("-")[0]
+        if kind != "free" and outs[-1].finish_reason == "stop":
+            conforms(kind, outs[-1].output_text)
