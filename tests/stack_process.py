@@ -9,13 +9,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import redis
 
 from tests.conftest import RedisServer, free_port
+from tidegate import keys
 
 TIDEGATE = [sys.executable, "-m", "tidegate"]
 
@@ -102,3 +104,24 @@ def is_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def wait_until(check: Callable[[], object], what: str, timeout_s: float = 120.0) -> None:
+    """Poll ``check`` every 0.1 s until it is truthy; fail naming ``what`` after the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out ({timeout_s:.0f} s) waiting for {what}"
+        time.sleep(0.1)
+
+
+def heartbeat_of(url: str, pid: int) -> str | None:
+    """The worker id of process ``pid`` once it heartbeats (ids are host-PID-random)."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        for key in client.scan_iter(match=keys.worker_heartbeat("*")):
+            worker_id = key.split("{", 1)[1].rstrip("}")
+            if f"-{pid}-" in worker_id and client.get(key):
+                return worker_id
+        return None
+    finally:
+        client.close()

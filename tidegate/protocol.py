@@ -207,6 +207,9 @@ class SamplingParams(_Strict):
     response_format: ResponseFormat | None = Field(
         default=None, description="constrain the output: json_object, json_schema, regex, "
         "choice or grammar (text: free)")
+    speculative: bool = Field(
+        default=True, description="false: never draft tokens for this job, where the worker "
+        "decodes speculatively (the output is the same; only its speed differs)")
 
     @model_validator(mode="after")
     def _format_compiles(self) -> SamplingParams:

@@ -48,6 +48,11 @@ class Settings(BaseSettings):
     # split over tensor_parallel_size devices, the layers over pipeline_parallel_size stages.
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     pipeline_parallel_size: int = Field(default=1, ge=1, le=64)
+    # Speculative decoding (worker.speculative): "ngram" drafts from the request's own tokens
+    # (prompt lookup), verified in the batch; "none": off.
+    speculative: str = Field(default="none", pattern="^(none|ngram)$",
+                             description="none | ngram (prompt-lookup drafts)")
+    num_speculative_tokens: int = Field(default=4, ge=1, le=16)
     max_num_seqs: int = Field(default=32, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
     block_size: int = Field(default=16, ge=1, le=256)

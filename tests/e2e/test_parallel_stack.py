@@ -16,19 +16,17 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-import redis
 import redis.asyncio as aioredis
 import torch
 
 from tests.conftest import RedisServer, free_port
-from tests.stack_process import TIDEGATE, children, cli, is_alive, stop
-from tidegate import keys
+from tests.stack_process import TIDEGATE, children, cli, heartbeat_of, is_alive, stop, wait_until
 from tidegate.events.event_feed import stored_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -85,26 +83,6 @@ def start(log: Path, *args: str, url: str, **env: str) -> Proc:
                                  env={**base, "TIDEGATE_REDIS_URL": url, **WORKER_ENV, **env},
                                  stdout=out, stderr=subprocess.STDOUT)
     return Proc(popen, log)
-
-
-def wait_until(check: Callable[[], object], what: str, timeout_s: float = STARTUP_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out ({timeout_s:.0f} s) waiting for {what}"
-        time.sleep(0.1)
-
-
-def heartbeat_of(url: str, pid: int) -> str | None:
-    """The worker id of process ``pid`` once it heartbeats (ids are host-PID-random)."""
-    client = redis.Redis.from_url(url, decode_responses=True)
-    try:
-        for key in client.scan_iter(match=keys.worker_heartbeat("*")):
-            worker_id = key.split("{", 1)[1].rstrip("}")
-            if f"-{pid}-" in worker_id and client.get(key):
-                return worker_id
-        return None
-    finally:
-        client.close()
 
 
 def start_worker(tmp: Path, name: str, *args: str, url: str, **env: str) -> tuple[Proc, str]:

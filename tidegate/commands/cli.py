@@ -41,7 +41,8 @@ def _settings(args: argparse.Namespace):  # -> Settings
     fields = ("redis_url", "device", "dtype", "max_num_seqs", "max_num_batched_tokens",
               "kv_cache_gb", "kv_cache_dtype", "cuda_graphs", "weights", "quantize",
               "cpu_activations", "host", "port", "log_level", "models_file", "max_loras",
-              "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size")
+              "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size", "speculative",
+              "num_speculative_tokens")
     overrides = {f: getattr(args, f, None) for f in fields}
     # --model (repeatable) and --lora (repeatable): lists, None when not given.
     overrides["models"] = getattr(args, "model", None) or None
@@ -121,6 +122,8 @@ def _check_parallel(settings) -> None:  # noqa: ANN001 - Settings, imported lazi
     """A tensor- or pipeline-parallel worker: the devices, the model's shape, no adapters."""
     if _world(settings) == 1:
         return
+    if settings.speculative != "none":
+        raise CliError("--speculative: not served by tensor- or pipeline-parallel workers yet")
     from tidegate.model_files.model_source import ModelLoadError
     from worker.models.loaders.loader import check_layout
     from worker.parallel.layout import LayoutError, ParallelLayout
@@ -390,6 +393,11 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", type=int, metavar="N",
                    help="split the layers into N stages, each its own processes and devices "
                         "(default 1)")
+    p.add_argument("--speculative", choices=["none", "ngram"],
+                   help="speculative decoding: ngram drafts tokens from the request's own "
+                        "prompt and output (prompt lookup), verified in the batch; default none")
+    p.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                   help="tokens drafted per request and step (default 4)")
     p.add_argument("--max-num-seqs", type=int, help="requests batched at once (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="tokens per engine step: decodes plus prompt chunks (default 512)")

@@ -158,6 +158,8 @@ def _spawn_worker(settings: Settings) -> subprocess.Popen:
     env["TIDEGATE_QUANTIZE"] = settings.quantize
     env["TIDEGATE_TENSOR_PARALLEL_SIZE"] = str(settings.tensor_parallel_size)
     env["TIDEGATE_PIPELINE_PARALLEL_SIZE"] = str(settings.pipeline_parallel_size)
+    env["TIDEGATE_SPECULATIVE"] = settings.speculative
+    env["TIDEGATE_NUM_SPECULATIVE_TOKENS"] = str(settings.num_speculative_tokens)
     return subprocess.Popen([sys.executable, "-m", "tidegate", "worker"], env=env)
 
 

@@ -29,7 +29,8 @@ DEFAULT_ALIAS = "tidegate"
 # The Settings fields a model may set for itself; the rest (Redis, ports, retention) are the
 # process's.
 ENGINE_FIELDS = frozenset({
-    "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "kv_cache_gb", "kv_cache_memory_fraction",
+    "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size",
+    "speculative", "num_speculative_tokens", "kv_cache_gb", "kv_cache_memory_fraction",
     "kv_cache_dtype", "dtype", "quantize", "weights", "block_size", "prefix_caching",
     "cuda_graphs", "max_loras", "max_lora_rank"})
 _MODEL_KEYS = frozenset({"name", "spec", "aliases", "engine", "loras"})

@@ -38,12 +38,19 @@ from worker.engine.kv_cache import (
 from worker.engine.lora_manager import AdapterError, LoraManager
 from worker.engine.model_runner import ModelRunner, StepLogits
 from worker.engine.sampler import SamplerLaunch, TokenLogprobs, is_penalised
-from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from worker.engine.scheduler import (
+    ScheduledChunk,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from worker.engine.sequence import SeqStatus, Sequence
 from worker.models.decoder import DecoderModel
 from worker.models.lora_weights import LoraWeights
 from worker.parallel.model_group import ModelGroup
 from worker.parallel.parallel_runner import ParallelRunner
+from worker.speculative.draft_verifier import DraftVerifier
+from worker.speculative.ngram_speculator import NgramSpeculator
 
 log = logging.getLogger("tidegate.engine")
 
@@ -94,8 +101,20 @@ class EngineConfig:
     # served; their slots take memory beside the weights before the KV cache is planned.
     max_loras: int = 0
     max_lora_rank: int = 16
+    # Speculative decoding: "ngram" (prompt lookup: drafts are what followed the last tokens'
+    # latest earlier occurrence), None: off. Up to num_speculative_tokens drafts a step per
+    # request, verified in the step's one forward pass (worker.speculative). Steps are then
+    # read back before the next is launched (no async_output).
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
+        if self.speculative not in (None, "ngram"):
+            raise ValueError(f"speculative must be ngram or None, got {self.speculative!r}")
+        if self.speculative and self.async_output:
+            raise ValueError("speculative decoding reads each step back (async_output off)")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
         if self.max_loras < 0:
             raise ValueError("max_loras must not be negative")
         if not 1 <= self.max_lora_rank <= MAX_RANK:
@@ -158,6 +177,11 @@ class EngineStats:
     # Pipeline parallelism: steps launched while an earlier one was still in the pipeline
     # (the stages worked on both at once).
     overlapped_steps: int = 0
+    # Speculative decoding: tokens drafted, drafts kept, and verify chunks run (each gives
+    # its kept drafts and one token more).
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_chunks: int = 0
 
 
 @dataclass(slots=True)
@@ -218,9 +242,17 @@ class Engine:
             runner if group is None else ParallelRunner(runner, group))
         self.stats = EngineStats()
         self.async_output = (config.async_output if config.async_output is not None
-                             else param.device.type == "cuda")
+                             else param.device.type == "cuda" and not config.speculative)
+        if config.speculative and group is not None:
+            raise ValueError("speculative decoding is not served by tensor- or pipeline-"
+                             "parallel workers")
+        self.speculator = (NgramSpeculator(config.num_speculative_tokens)
+                           if config.speculative == "ngram" else None)
+        self.verifier = DraftVerifier(runner.sampler)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.async_output)
+        if config.speculative and self.async_scheduling:
+            raise ValueError("speculative decoding reads each step back (async_scheduling off)")
         if self.async_scheduling and not self.async_output:
             raise ValueError("async_scheduling needs async_output")
         # Pipeline parallelism: one step in flight per stage, each of other requests
@@ -418,16 +450,106 @@ class Engine:
             return outputs + self._step_pipelined()
         if self.async_output:
             return outputs + self._step_overlapped()
+        if self.speculator is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
+        if self.speculator is not None:
+            scheduled = {id(c.seq) for c in sched.chunks}
+            for seq in self.scheduler.running:  # drafts of requests left out go stale
+                if seq.draft and id(seq) not in scheduled:
+                    seq.draft.clear()
         if not sched.chunks:
             return outputs
+        if any(c.samples and c.seq.draft for c in sched.chunks):
+            return outputs + self._step_speculative(sched)
         sampled = self._forward_and_sample(sched)()
         self.scheduler.commit(sched)
         self._count(sched)
         sampling = [c.seq for c in sched.chunks if c.samples]
         for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
             outputs.append(self._advance(seq, _Sampled(token, lp)))
+        return outputs
+
+    def _propose(self) -> None:
+        """Draft tokens for each running request that decodes next and takes drafts: not
+        constrained by a grammar, not penalised, biased or asking for logprobs (their
+        sampling reads more than one distribution), with room before max_tokens."""
+        assert self.speculator is not None
+        for seq in self.scheduler.running:
+            seq.draft.clear()
+            params = seq.params
+            if (not params.speculative or seq.num_pending or seq.num_uncomputed != 1
+                    or is_penalised(params)
+                    or params.logit_bias or params.logprobs is not None
+                    or seq.request_id in self.grammars):
+                continue
+            # k drafts give up to k + 1 tokens; the request's last must stay within its cap.
+            cap = seq.max_num_tokens if seq.max_num_tokens is not None else 1 << 62
+            room = cap - seq.num_known - 1
+            if room > 0:
+                seq.draft.extend(self.speculator.propose(seq, room))
+
+    def _step_speculative(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """A step with verify chunks: plain rows are sampled as always; each verify chunk's
+        drafts are kept or not (``DraftVerifier``), and its tokens go out one by one, so a
+        stop, a stop string or max_tokens ends it exactly where plain decoding would. A
+        request's computed tokens are its last known one and the drafts it kept."""
+        tables = [self.blocks.block_table(c.seq.request_id) for c in sched.chunks]
+        with torch.inference_mode():
+            step = self.runner.forward(sched, tables)
+        plain: list[int] = []  # logits rows of plain sampling chunks
+        plain_seqs: list[Sequence] = []
+        verify: list[tuple[ScheduledChunk, list[int], torch.Tensor]] = []
+        row = 0
+        for chunk in sched.chunks:
+            if not chunk.samples:
+                continue
+            seq = chunk.seq
+            if seq.draft:
+                n = len(seq.draft) + 1
+                verify.append((chunk, list(seq.draft), step.logits[row : row + n]))
+                row += n
+            else:
+                plain.append(row)
+                plain_seqs.append(seq)
+                row += 1
+        masks = (self.grammars.fill_async([s.request_id for s in plain_seqs])
+                 if self._constrained([s.request_id for s in plain_seqs]) else None)
+        with torch.inference_mode():
+            index = torch.tensor(plain, dtype=torch.long, device=step.logits.device)
+            sampled = self.runner.sample(
+                StepLogits(step.logits.index_select(0, index), plain_seqs),
+                masks.result() if masks else None)()
+            kept = [(chunk, draft, self.verifier.verify(logits, chunk.seq, draft))
+                    for chunk, draft, logits in verify]
+        verifying = {id(chunk) for chunk, _, _ in kept}
+        rest = SchedulerOutput()
+        for chunk in sched.chunks:
+            if id(chunk) not in verifying:
+                rest.add(chunk)
+        self.scheduler.commit(rest)
+        self._count(rest)
+        outputs = [self._advance(seq, _Sampled(token, lp)) for seq, token, lp in
+                   zip(plain_seqs, sampled.token_ids, sampled.logprobs, strict=True)]
+        for chunk, draft, tokens in kept:
+            seq = chunk.seq
+            seq.draft.clear()
+            self.stats.verify_chunks += 1
+            self.stats.draft_tokens += len(draft)
+            emitted = 0
+            for token in tokens:
+                outputs.append(self._advance(seq, _Sampled(token)))
+                emitted += 1
+                if seq.status is SeqStatus.FINISHED:
+                    break
+            else:  # computed: its last known token and the drafts it kept
+                done = SchedulerOutput()
+                done.add(ScheduledChunk(seq, chunk.start, len(tokens), True))
+                self.scheduler.commit(done)
+            # The tokens it gave: those after a stop are dropped, never generated.
+            self.stats.accepted_tokens += emitted - 1
+            self.stats.decode_tokens += emitted
         return outputs
 
     def _forward_and_sample(self, sched: SchedulerOutput) -> SamplerLaunch:
@@ -649,6 +771,9 @@ class Engine:
         self, seq: Sequence, reason: FinishReason, sampled: _Sampled | None, text: str
     ) -> RequestOutput:
         seq.finish_reason = reason
+        seq.draft.clear()
+        if self.speculator is not None:
+            self.speculator.forget(seq.request_id)
         self.scheduler.remove(seq)
         self.runner.free(seq.request_id)
         self.grammars.remove(seq.request_id)

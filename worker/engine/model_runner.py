@@ -230,7 +230,8 @@ class ModelRunner:
         offset = 0
         for chunk in sched.chunks:
             seq = chunk.seq
-            if chunk.start + chunk.num_tokens > seq.num_known:
+            known = seq.num_known + len(getattr(seq, "draft", ()))  # drafts are inputs too
+            if chunk.start + chunk.num_tokens > known:
                 # Only a decode can read a pending token: the one its last step sampled.
                 if previous is None or chunk.num_tokens != 1:
                     raise RuntimeError(f"{seq.request_id}: input token {chunk.start} unknown")
@@ -274,7 +275,9 @@ class ModelRunner:
             positions += span
             slots += [slot_of(table, p, bs) for p in span]
             if chunk.samples:
-                sample_rows.append(len(ids) - 1)
+                # A verify chunk (its last token and drafts) needs logits at every position.
+                drafted = len(getattr(chunk.seq, "draft", ()))
+                sample_rows += range(len(ids) - 1 - drafted, len(ids))
             seq_lens.append(end)
             query_lens.append(chunk.num_tokens)
         meta = PagedAttentionMetadata.build(

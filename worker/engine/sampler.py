@@ -111,7 +111,7 @@ class Sampler:
         if len(sampled) == len(rows):
             chosen = self._sample(logits, rows)
         else:  # greedy rows take the argmax; only the sampled ones pay for sampling
-            chosen = _argmax(logits)
+            chosen = row_argmax(logits)
             if sampled:
                 index = torch.tensor(sampled, device=logits.device)
                 chosen[index] = self._sample(logits[index], [rows[i] for i in sampled])
@@ -138,29 +138,19 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Temperature, filters and each row's own draw; every row samples. -> [S] int64."""
-        params = [row.params for row in rows]
         vocab = logits.shape[-1]
-        table = torch.tensor(
-            [[p.temperature, min(p.top_k, vocab), p.top_p, p.min_p] for p in params],
-            dtype=torch.float32,
-        ).to(logits.device)
-        temperature, top_k, top_p, min_p = table.unbind(1)
-        scaled = logits / temperature[:, None]
-        if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            scaled = _apply_top_k_top_p(scaled, params, top_k.long(), top_p)
-        probs = scaled.softmax(dim=-1)
-        if any(p.min_p > 0 for p in params):
-            probs = apply_min_p(probs, min_p)
+        probs = probabilities(logits, [row.params for row in rows])
         uniform = torch.empty_like(probs)
         for i, row in enumerate(rows):
-            uniform[i].uniform_(generator=self._generator(row, vocab))
+            uniform[i].uniform_(generator=self.generator(row, vocab))
         # The exponential race: argmax(p / E) with E = -log U ~ Exp(1) picks token j with
         # probability p_j. U lies in [0, 1): E is never 0 (no 0 / 0), and lifting U off 0
         # keeps E finite, so a kept token never scores 0 like the filtered ones.
         noise = uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()
-        return _argmax(probs.div_(noise))
+        return row_argmax(probs.div_(noise))
 
-    def _generator(self, row: SamplingRow, vocab: int) -> torch.Generator:
+    def generator(self, row: SamplingRow, vocab: int) -> torch.Generator:
+        """The request's own random stream (made on its first draw)."""
         gen = self._generators.get(row.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(row.seed)
@@ -231,6 +221,25 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         logits = torch.addcmul(logits, generated, -frequency)
         logits.addcmul_(generated.sign(), -presence)  # counts are >= 0: sign is "present"
     return logits
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """What each row samples from: temperature, then top-k / top-p, then min-p.
+    logits [N, V] float32 (after penalties and masks) -> probabilities [N, V] (min-p rows
+    not renormalised: a draw by ratios does not need it)."""
+    vocab = logits.shape[-1]
+    table = torch.tensor(
+        [[p.temperature, min(p.top_k, vocab), p.top_p, p.min_p] for p in params],
+        dtype=torch.float32,
+    ).to(logits.device)
+    temperature, top_k, top_p, min_p = table.unbind(1)
+    scaled = logits / temperature[:, None]
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        scaled = _apply_top_k_top_p(scaled, params, top_k.long(), top_p)
+    probs = scaled.softmax(dim=-1)
+    if any(p.min_p > 0 for p in params):
+        probs = apply_min_p(probs, min_p)
+    return probs
 
 
 def top_k_top_p_cutoff(
@@ -369,12 +378,12 @@ def _padded(lists: list[list[int]], pad: int) -> torch.Tensor:
     return torch.tensor([ids + [pad] * (width - len(ids)) for ids in lists], dtype=torch.long)
 
 
-# Groups of the two-stage argmax on a GPU (see ``_argmax``); vocabularies of Llama 3 (128256),
+# Groups of the two-stage argmax on a GPU (see ``row_argmax``); vocabularies of Llama 3 (128256),
 # SmolLM2 (49152) and most others divide by it.
 ARGMAX_GROUPS = 64
 
 
-def _argmax(x: torch.Tensor) -> torch.Tensor:
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax of [N, V] -> [N] int64, first index on ties.
 
     On the CPU, torch's argmax is not vectorised: NumPy's is about 6x faster on [32, 49152].

@@ -135,6 +135,9 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or budget == 0 or len(out.chunks) >= cap:
                 continue  # preempted earlier in this loop, or no budget or room left
             n = min(seq.num_uncomputed, budget)
+            if seq.draft and n < seq.num_uncomputed:
+                # A verify chunk samples at its end: fewer drafts, not a chunk cut short.
+                del seq.draft[n - 1 :]
             end = seq.num_computed + n
             # Most decodes land in a block the request holds already: nothing to make room for
             # or to grow (this loop runs for every running request, every step).
@@ -223,6 +226,7 @@ class Scheduler:
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         out.drop(victim)
+        victim.draft.clear()
         self._leave(victim)
         self.blocks.free(victim.request_id)
         victim.num_computed = 0

@@ -49,6 +49,9 @@ class Sequence:
     choice: int = 0
     waits_for: Sequence | None = None
     adapter: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    # Speculative decoding: tokens proposed after its known ones for the next step, which
+    # computes them with its last token (counted in ``num_tokens``; cleared once verified).
+    draft: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id
@@ -63,7 +66,7 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         """Every token, pending ones included: what the scheduler and the cache count."""
-        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending + len(self.draft)
 
     @property
     def num_known(self) -> int:
@@ -90,8 +93,12 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     def ids_between(self, start: int, end: int) -> list[int]:
-        """The known tokens at positions ``start`` to ``end`` (a prompt chunk's inputs)."""
+        """The known tokens at positions ``start`` to ``end`` (a prompt chunk's inputs; past
+        the known ones, the draft's)."""
         n = len(self.prompt_ids)
+        if self.draft and end > self.num_known:
+            return self.ids_between(start, self.num_known) + self.draft[
+                max(0, start - self.num_known) : end - self.num_known]
         if end <= n:
             return self.prompt_ids[start:end]
         if start >= n:

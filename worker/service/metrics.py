@@ -67,6 +67,18 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("tidegate_worker_ranks",
                                 "Processes (and devices) of this worker: tensor x pipeline "
                                 "parallel size.", 1 if layout is None else layout.world)
+        if engine.speculator is not None:
+            stats = engine.stats
+            yield CounterMetricFamily("tidegate_spec_draft_tokens",
+                                      "Tokens drafted by speculative decoding.",
+                                      stats.draft_tokens)
+            yield CounterMetricFamily("tidegate_spec_accepted_tokens",
+                                      "Drafted tokens the model kept (acceptance rate = "
+                                      "rate(accepted) / rate(draft)).", stats.accepted_tokens)
+            yield CounterMetricFamily("tidegate_spec_verify_chunks",
+                                      "Verify chunks run: each gives its kept drafts and one "
+                                      "token more (tokens per step = (accepted + chunks) / "
+                                      "chunks).", stats.verify_chunks)
         if engine.pipeline_depth:
             yield CounterMetricFamily("tidegate_pipeline_overlapped_steps",
                                       "Steps launched while an earlier step was still in the "

@@ -522,6 +522,10 @@ def engine_config(settings: Settings, max_model_len: int, max_loras: int) -> Eng
         cuda_graphs=settings.cuda_graphs,
         max_loras=max_loras,
         max_lora_rank=settings.max_lora_rank,
+        speculative=None if settings.speculative == "none" else settings.speculative,
+        num_speculative_tokens=settings.num_speculative_tokens,
+        # Speculative steps are read back before the next is launched.
+        async_output=False if settings.speculative != "none" else None,
     )
 
 
