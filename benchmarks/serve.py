@@ -135,6 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--input-len", type=int)
     g.add_argument("--output-len", type=int)
     g.add_argument("--length-dist", choices=("fixed", "uniform"), default="fixed")
+    g.add_argument("--workload", choices=("random", "quote"), default="random",
+                   help="prompts of random words, or an instruction to repeat them (quote: "
+                        "the text speculative decoding's prompt lookup drafts from)")
     g.add_argument("--input-range", type=int, nargs=2, metavar=("LO", "HI"))
     g.add_argument("--output-range", type=int, nargs=2, metavar=("LO", "HI"))
     g.add_argument("--seed", type=int, default=0)
@@ -250,7 +253,7 @@ def plan_work(bench: Bench) -> list[Run]:
         spans = ((tuple(a.input_range), tuple(a.output_range)) if a.length_dist == "uniform"
                  else (None, None))
         shape = {"input_len": a.input_len, "output_len": a.output_len, "input_span": spans[0],
-                 "output_span": spans[1], **lengths}
+                 "output_span": spans[1], "quote": a.workload == "quote", **lengths}
         built = build_work(encode, offsets, seed=seed, **shape)  # type: ignore[arg-type]
         if a.adapters:
             built = dataclasses.replace(built, adapters=tuple(

@@ -5,7 +5,8 @@ typos, or rewrite it keeping its wording, the shapes where prompt lookup finds i
 (summaries and edits of a given text). Greedy, fresh prompts per run. Per batch size (requests
 submitted at once): plain and speculative output tok/s, their ratio, the acceptance rate and
 tokens per verify chunk. The issue's targets on this CPU, default model: batch 1 >= 1.8x
-plain; batch 32 never slower than plain.
+plain; batch 32 never slower than plain. Speculation runs as a worker runs it: where the
+engine measures it faster (``SpeculationGovernor``). The GPU's figures: speculative_gpu.py.
 
     python benchmarks/speculative.py --batches 1 32 --out benchmarks/results/speculative_cpu.json
 """
@@ -67,59 +68,6 @@ def run(engine: Engine, batch: list[list[int]], max_tokens: int, tag: str) -> di
     return {"seconds": secs, "tokens": tokens, "tok_s": tokens / secs}
 
 
-def verify_cost(args: argparse.Namespace) -> dict[str, float]:
-    """Batch 1, one request past a 512-token prompt: the mean step time of plain decode steps
-    and of verify steps of K drafts (drafts set by hand, so acceptance does not matter; the
-    verifier keeps what the model agrees with), both read back every step."""
-    import torch
-
-    loaded = load_model(args.model, device=args.device)
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
-        max_model_len=2048, max_num_seqs=1, num_blocks=256, async_output=False,
-        speculative="ngram", num_speculative_tokens=args.k))
-    engine.add_request(EngineRequest("v", [5 + i % 300 for i in range(512)], SamplingParams(
-        max_tokens=1500, temperature=0.0, ignore_eos=True)))
-    engine.step()  # the prefill
-    seq = engine._seqs["v"]
-
-    def steps(n: int, draft: bool) -> float:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(n):
-            if draft:  # stands in for the proposer: K tokens that need verifying
-                engine.speculator = _Fixed([7] * args.k)  # type: ignore[assignment]
-            else:
-                engine.speculator = _Fixed([])  # type: ignore[assignment]
-            engine.step()
-        return (time.perf_counter() - start) / n
-
-    steps(5, False)
-    steps(5, True)
-    plain, verify = steps(40, False), steps(40, True)
-    # The same decode steps without their CUDA graph: what a verify step, eager, stands beside.
-    graphs, engine.runner.graphs = engine.runner.graphs, None
-    eager = steps(40, False) if graphs is not None else plain
-    engine.runner.graphs = graphs
-    assert seq.num_computed > 512
-    return {"decode_step_ms": plain * 1e3, "verify_step_ms": verify * 1e3,
-            "decode_eager_step_ms": eager * 1e3, "ratio": verify / plain,
-            "ratio_to_eager_decode": verify / eager, "k": args.k}
-
-
-class _Fixed:
-    """A proposer that always drafts the same tokens (the verify-cost measurement)."""
-
-    def __init__(self, draft: list[int]) -> None:
-        self.draft = draft
-
-    def propose(self, seq: object, limit: int) -> list[int]:
-        return self.draft[:limit]
-
-    def forget(self, request_id: str) -> None:
-        pass
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,18 +76,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--verify-cost", action="store_true",
-                    help="only the cost of a verify step against a decode step, batch 1")
+    ap.add_argument("--max-batch", type=int,
+                    help="speculative_max_batch: speculate at batch sizes up to it, without "
+                         "measuring (default: the governor measures, as a worker does)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    if args.verify_cost:
-        cost = verify_cost(args)
-        print(json.dumps(cost))
-        if args.out:
-            Path(args.out).write_text(json.dumps({"model": args.model, "device": args.device,
-                                                  "verify_cost": cost}, indent=1))
-        return
     loaded = load_model(args.model)
     results = []
     for n, batch in enumerate(args.batches):
@@ -149,7 +90,7 @@ def main() -> None:
                 max_model_len=2048, max_num_seqs=max(batch, 1), num_blocks=2048,
                 max_num_batched_tokens=max(512, batch * (args.k + 1)),
                 speculative=None if mode == "plain" else "ngram",
-                num_speculative_tokens=args.k))
+                num_speculative_tokens=args.k, speculative_max_batch=args.max_batch))
             run(engine, prompts(loaded, min(batch, 2), 10_000), 8, "warm")
             # Every repeat its own prompts (no prefix-cache hits), the same for both modes;
             # the figures are the sums over the repeats.

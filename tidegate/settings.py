@@ -49,10 +49,14 @@ class Settings(BaseSettings):
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     pipeline_parallel_size: int = Field(default=1, ge=1, le=64)
     # Speculative decoding (worker.speculative): "ngram" drafts from the request's own tokens
-    # (prompt lookup), verified in the batch; "none": off.
-    speculative: str = Field(default="none", pattern="^(none|ngram)$",
-                             description="none | ngram (prompt-lookup drafts)")
+    # (prompt lookup), "draft:<model>" from a smaller model sharing the tokenizer, verified in
+    # the batch; "none": off. speculative_max_batch: speculate at batch sizes up to it; None:
+    # wherever it measures faster than plain decoding.
+    speculative: str = Field(default="none", pattern="^(none|ngram|draft:.+)$",
+                             description="none | ngram (prompt-lookup drafts) | draft:<model> "
+                                         "(a draft model: a spec as --model takes)")
     num_speculative_tokens: int = Field(default=4, ge=1, le=16)
+    speculative_max_batch: int | None = Field(default=None, ge=1)
     max_num_seqs: int = Field(default=32, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
     block_size: int = Field(default=16, ge=1, le=256)

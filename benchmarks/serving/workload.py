@@ -126,11 +126,21 @@ def poisson_offsets(rate: float, rng: random.Random, *, count: int | None = None
     return offsets
 
 
+# The ``quote`` workload's instruction: the words after it are what the model repeats (the
+# shape where prompt-lookup speculation finds its drafts: edits and summaries of a given text).
+QUOTE_ASK = "Repeat the following words exactly, in the same order:\n\n"
+
+
 def build_work(encode: Callable[[str], list[int]], offsets_s: list[float], *, input_len: int,
                output_len: int, input_span: tuple[int, int] | None,
-               output_span: tuple[int, int] | None, seed: int) -> Work:
+               output_span: tuple[int, int] | None, seed: int, quote: bool = False) -> Work:
+    """``quote``: each prompt is ``QUOTE_ASK`` then its random words (the whole still exactly
+    its length in tokens)."""
     rng = random.Random(seed)
     n = len(offsets_s)
     ins = lengths(n, input_len, input_span, rng)
     outs = lengths(n, output_len, output_span, rng)
-    return Work([exact_prompt(encode, k, rng) for k in ins], outs, offsets_s)
+    if not quote:
+        return Work([exact_prompt(encode, k, rng) for k in ins], outs, offsets_s)
+    prompts = [exact_prompt(lambda text: encode(QUOTE_ASK + text), k, rng) for k in ins]
+    return Work([Prompt(QUOTE_ASK + p.text, p.token_ids) for p in prompts], outs, offsets_s)

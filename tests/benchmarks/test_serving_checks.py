@@ -10,7 +10,7 @@ import pytest
 from benchmarks.serving.follow import Trace
 from benchmarks.serving.loadgen import JobRecord
 from benchmarks.serving.metrics import Slo, exactness_problem
-from benchmarks.serving.workload import exact_prompt, poisson_offsets
+from benchmarks.serving.workload import QUOTE_ASK, build_work, exact_prompt, poisson_offsets
 from tidegate.model_files.model_source import resolve_model
 from tidegate.model_files.tokenizer import load_tokenizer
 
@@ -96,6 +96,20 @@ def test_prompts_have_exactly_the_asked_tokens_and_differ(model: str) -> None:
         assert all(len(tokenizer.encode_prompt(p.text, None)) == n for p in prompts)
         # Only full 16-token blocks are prefix-cached: shorter prompts may repeat.
         assert n < 16 or len({p.text for p in prompts}) == 5
+
+
+def test_the_quote_workload_asks_to_repeat_words_of_exact_length() -> None:
+    tokenizer = load_tokenizer(resolve_model("smollm2"))
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode_prompt(text, None)
+
+    work = build_work(encode, [0.0] * 4, input_len=64, output_len=8, input_span=None,
+                      output_span=None, seed=3, quote=True)
+    for p in work.prompts:
+        assert p.text.startswith(QUOTE_ASK) and len(p.text) > len(QUOTE_ASK) + 20
+        assert encode(p.text) == list(p.token_ids) and p.tokens == 64
+    assert len({p.text for p in work.prompts}) == 4
 
 
 def test_poisson_arrivals_by_count_or_by_duration() -> None:

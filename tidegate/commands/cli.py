@@ -42,7 +42,7 @@ def _settings(args: argparse.Namespace):  # -> Settings
               "kv_cache_gb", "kv_cache_dtype", "cuda_graphs", "weights", "quantize",
               "cpu_activations", "host", "port", "log_level", "models_file", "max_loras",
               "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size", "speculative",
-              "num_speculative_tokens")
+              "num_speculative_tokens", "speculative_max_batch")
     overrides = {f: getattr(args, f, None) for f in fields}
     # --model (repeatable) and --lora (repeatable): lists, None when not given.
     overrides["models"] = getattr(args, "model", None) or None
@@ -104,8 +104,17 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _check_engine(settings) -> None:  # noqa: ANN001 - Settings, imported lazily
+    from tidegate.model_files.model_source import resolve_model
+
     _check_device(settings.device)
     _check_parallel(settings)
+    from tidegate.model_files.model_source import ModelLoadError
+
+    if settings.speculative.startswith("draft:"):
+        try:
+            resolve_model(settings.speculative.removeprefix("draft:"))
+        except ModelLoadError as exc:
+            raise CliError(f"--speculative {settings.speculative}: {exc}") from None
     if settings.kv_cache_dtype == "fp8" and not settings.device.startswith("cuda"):
         raise CliError(f"--kv-cache-dtype fp8: the FP8 cache needs --device cuda, not "
                        f"{settings.device}")
@@ -393,11 +402,16 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", type=int, metavar="N",
                    help="split the layers into N stages, each its own processes and devices "
                         "(default 1)")
-    p.add_argument("--speculative", choices=["none", "ngram"],
-                   help="speculative decoding: ngram drafts tokens from the request's own "
-                        "prompt and output (prompt lookup), verified in the batch; default none")
+    p.add_argument("--speculative", metavar="none|ngram|draft:MODEL",
+                   help="speculative decoding, verified in the batch: ngram drafts tokens "
+                        "from the request's own prompt and output (prompt lookup), "
+                        "draft:MODEL with a smaller model that shares the tokenizer (a spec "
+                        "as --model takes); default none")
     p.add_argument("--num-speculative-tokens", type=int, metavar="K",
                    help="tokens drafted per request and step (default 4)")
+    p.add_argument("--speculative-max-batch", type=int, metavar="N",
+                   help="speculate in steps of at most N running requests (default: wherever "
+                        "the worker measures it faster than plain decoding)")
     p.add_argument("--max-num-seqs", type=int, help="requests batched at once (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="tokens per engine step: decodes plus prompt chunks (default 512)")

@@ -160,6 +160,8 @@ def _spawn_worker(settings: Settings) -> subprocess.Popen:
     env["TIDEGATE_PIPELINE_PARALLEL_SIZE"] = str(settings.pipeline_parallel_size)
     env["TIDEGATE_SPECULATIVE"] = settings.speculative
     env["TIDEGATE_NUM_SPECULATIVE_TOKENS"] = str(settings.num_speculative_tokens)
+    if settings.speculative_max_batch is not None:
+        env["TIDEGATE_SPECULATIVE_MAX_BATCH"] = str(settings.speculative_max_batch)
     return subprocess.Popen([sys.executable, "-m", "tidegate", "worker"], env=env)
 
 

@@ -30,7 +30,7 @@ DEFAULT_ALIAS = "tidegate"
 # process's.
 ENGINE_FIELDS = frozenset({
     "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size",
-    "speculative", "num_speculative_tokens", "kv_cache_gb", "kv_cache_memory_fraction",
+    "speculative", "num_speculative_tokens", "speculative_max_batch", "kv_cache_gb", "kv_cache_memory_fraction",
     "kv_cache_dtype", "dtype", "quantize", "weights", "block_size", "prefix_caching",
     "cuda_graphs", "max_loras", "max_lora_rank"})
 _MODEL_KEYS = frozenset({"name", "spec", "aliases", "engine", "loras"})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -32,6 +33,7 @@ from worker.engine.grammar_masks import GrammarMasks, GrammarUnavailable, TokenM
 from worker.engine.kv_cache import (
     KV_CACHE_DTYPES,
     KVCacheSpec,
+    bytes_per_block,
     kv_cache_torch_dtype,
     plan_kv_cache,
 )
@@ -49,8 +51,10 @@ from worker.models.decoder import DecoderModel
 from worker.models.lora_weights import LoraWeights
 from worker.parallel.model_group import ModelGroup
 from worker.parallel.parallel_runner import ParallelRunner
+from worker.speculative.draft_model_speculator import DraftModelSpeculator
 from worker.speculative.draft_verifier import DraftVerifier
 from worker.speculative.ngram_speculator import NgramSpeculator
+from worker.speculative.speculation_governor import SpeculationGovernor
 
 log = logging.getLogger("tidegate.engine")
 
@@ -102,15 +106,21 @@ class EngineConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     # Speculative decoding: "ngram" (prompt lookup: drafts are what followed the last tokens'
-    # latest earlier occurrence), None: off. Up to num_speculative_tokens drafts a step per
-    # request, verified in the step's one forward pass (worker.speculative). Steps are then
-    # read back before the next is launched (no async_output).
+    # latest earlier occurrence), "draft" (a draft model, given to the engine), None: off.
+    # Up to num_speculative_tokens drafts a step per request, verified in the step's one
+    # forward pass (worker.speculative). Steps are then read back before the next is
+    # launched (no async_output). speculative_max_batch: speculate in steps of at most this
+    # many running requests; None: wherever it measures faster (SpeculationGovernor).
     speculative: str | None = None
     num_speculative_tokens: int = 4
+    speculative_max_batch: int | None = None
 
     def __post_init__(self) -> None:
-        if self.speculative not in (None, "ngram"):
-            raise ValueError(f"speculative must be ngram or None, got {self.speculative!r}")
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError("speculative must be ngram, draft or None, got "
+                             f"{self.speculative!r}")
+        if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
+            raise ValueError("speculative_max_batch must be at least 1")
         if self.speculative and self.async_output:
             raise ValueError("speculative decoding reads each step back (async_output off)")
         if self.num_speculative_tokens < 1:
@@ -182,6 +192,9 @@ class EngineStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verify_chunks: int = 0
+    # Steps that drafted (the governor chose to speculate), and draft-model passes.
+    speculative_steps: int = 0
+    draft_passes: int = 0
 
 
 @dataclass(slots=True)
@@ -190,11 +203,19 @@ class _Sampled:
     logprobs: TokenLogprobs | None = field(default=None)
 
 
+# Verify chunks replay the decode graphs one row per token: graphs are captured for up to
+# this many rows (or max_num_seqs, if larger); larger verify steps run eagerly.
+MAX_VERIFY_GRAPH_ROWS = 1024
+
+
 def build_runner(model: DecoderModel, config: EngineConfig, lora: LoraManager | None = None,
-                 group: ModelGroup | None = None) -> tuple[KVCacheSpec, ModelRunner]:
-    """The KV cache's plan and the model runner over it. In a parallel worker every rank
-    calls this (rank 0 through ``Engine``) and the ranks agree on the smallest cache any of
-    them can hold: block tables are the same on every rank."""
+                 group: ModelGroup | None = None, draft: DecoderModel | None = None
+                 ) -> tuple[KVCacheSpec, ModelRunner, ModelRunner | None]:
+    """The KV cache's plan, the model runner over it and (with ``draft``) the draft model's
+    runner over its own cache. The budget is split so both caches hold the same number of
+    blocks. In a parallel worker every rank calls this (rank 0 through ``Engine``) and the
+    ranks agree on the smallest cache any of them can hold: block tables are the same on
+    every rank."""
     param = next(model.parameters())
     kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, param.dtype, param.device)
     spec = plan_kv_cache(
@@ -202,22 +223,44 @@ def build_runner(model: DecoderModel, config: EngineConfig, lora: LoraManager | 
         kv_cache_gb=config.kv_cache_gb, memory_fraction=config.kv_cache_memory_fraction,
         num_blocks=config.num_blocks,
     )
+    draft_per_block = (0 if draft is None else
+                       bytes_per_block(draft.cfg, config.block_size, kv_dtype))
+    if draft_per_block and config.num_blocks is None:
+        spec = KVCacheSpec(spec.num_blocks * spec.bytes_per_block
+                           // (spec.bytes_per_block + draft_per_block),
+                           spec.block_size, spec.bytes_per_block)
     if group is not None:
         spec = KVCacheSpec(group.min_int(spec.num_blocks), spec.block_size,
                            spec.bytes_per_block)
     stage = group if group is not None and group.place.layout.pp > 1 else None
+    graph_rows = draft_rows = config.max_num_seqs if config.cuda_graphs else 0
+    if config.speculative and graph_rows:
+        # Verify chunks (1 + K rows each) of up to speculative_max_batch requests replay
+        # graphs too, and so do a draft model's catch-ups (up to 2 rows each).
+        spec_batch = min(config.max_num_seqs,
+                         config.speculative_max_batch or config.max_num_seqs)
+        graph_rows = max(graph_rows, min(spec_batch * (config.num_speculative_tokens + 1),
+                                         MAX_VERIFY_GRAPH_ROWS))
+        draft_rows = max(draft_rows, min(2 * spec_batch, MAX_VERIFY_GRAPH_ROWS))
     runner = ModelRunner(
         model, spec, kv_dtype=kv_dtype, max_model_len=config.max_model_len,
-        cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0, lora=lora,
-        stage=stage)
-    return spec, runner
+        cuda_graph_max_batch=graph_rows, lora=lora, stage=stage)
+    draft_runner = None
+    if draft is not None:
+        draft_runner = ModelRunner(
+            draft, KVCacheSpec(spec.num_blocks, spec.block_size, draft_per_block),
+            kv_dtype=kv_dtype, max_model_len=config.max_model_len,
+            cuda_graph_max_batch=draft_rows)
+    return spec, runner, draft_runner
 
 
 class Engine:
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig,
-                 group: ModelGroup | None = None) -> None:
+                 group: ModelGroup | None = None, draft: DecoderModel | None = None) -> None:
         """``group``: rank 0's handle on a parallel worker (``worker.parallel``); the model
-        is then rank 0's share and every step goes to the other ranks too."""
+        is then rank 0's share and every step goes to the other ranks too. ``draft``: the
+        draft model of ``speculative="draft"``, on the model's device, sharing its
+        tokenizer."""
         self.tokenizer = tokenizer
         self.config = config
         param = next(model.parameters())
@@ -228,7 +271,12 @@ class Engine:
         self.lora = (LoraManager(LoraWeights(model.cfg, config.max_loras, config.max_lora_rank,
                                              param.dtype, param.device))
                      if config.max_loras else None)
-        self.kv_spec, runner = build_runner(model, config, self.lora, group)
+        if (config.speculative == "draft") != (draft is not None):
+            raise ValueError('a draft model is given exactly when speculative is "draft"')
+        if draft is not None and next(draft.parameters()).device != param.device:
+            raise ValueError("the draft model must be on the model's device")
+        self.kv_spec, runner, draft_runner = build_runner(model, config, self.lora, group,
+                                                          draft)
         log.info("%s", self.kv_spec.describe())
         self.blocks = BlockManager(self.kv_spec.num_blocks, config.block_size,
                                    prefix_caching=config.prefix_caching)
@@ -246,8 +294,15 @@ class Engine:
         if config.speculative and group is not None:
             raise ValueError("speculative decoding is not served by tensor- or pipeline-"
                              "parallel workers")
-        self.speculator = (NgramSpeculator(config.num_speculative_tokens)
-                           if config.speculative == "ngram" else None)
+        self.speculator: NgramSpeculator | DraftModelSpeculator | None = None
+        if config.speculative == "ngram":
+            self.speculator = NgramSpeculator(config.num_speculative_tokens)
+        elif draft_runner is not None:
+            self.speculator = DraftModelSpeculator(
+                draft_runner, BlockManager(self.kv_spec.num_blocks, config.block_size,
+                                           prefix_caching=config.prefix_caching),
+                config.num_speculative_tokens, model.cfg.vocab_size)
+        self.governor = SpeculationGovernor(max_batch=config.speculative_max_batch)
         self.verifier = DraftVerifier(runner.sampler)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.async_output)
@@ -451,24 +506,49 @@ class Engine:
         if self.async_output:
             return outputs + self._step_overlapped()
         if self.speculator is not None:
-            self._propose()
+            return outputs + self._step_governed()
+        return outputs + self._step_plain(self._schedule())
+
+    def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
-        if self.speculator is not None:
-            scheduled = {id(c.seq) for c in sched.chunks}
-            for seq in self.scheduler.running:  # drafts of requests left out go stale
-                if seq.draft and id(seq) not in scheduled:
-                    seq.draft.clear()
+        return sched
+
+    def _step_plain(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Compute the step, read its tokens back and build their outputs."""
         if not sched.chunks:
-            return outputs
-        if any(c.samples and c.seq.draft for c in sched.chunks):
-            return outputs + self._step_speculative(sched)
+            return []
         sampled = self._forward_and_sample(sched)()
         self.scheduler.commit(sched)
         self._count(sched)
         sampling = [c.seq for c in sched.chunks if c.samples]
-        for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
-            outputs.append(self._advance(seq, _Sampled(token, lp)))
+        return [self._advance(seq, _Sampled(token, lp))
+                for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs,
+                                          strict=True)]
+
+    def _step_governed(self) -> list[RequestOutput]:
+        """A step of a speculative engine: drafts proposed when the governor says speculation
+        pays at this batch size, and the step's speed reported back to it (decode steps
+        only: prompt chunks would blur the comparison)."""
+        start = time.perf_counter()
+        batch = len(self.scheduler.running)
+        speculate = self.governor.speculate(batch)
+        if speculate:
+            self.stats.speculative_steps += 1
+            self._propose()
+        sched = self._schedule()
+        scheduled = {id(c.seq) for c in sched.chunks}
+        for seq in self.scheduler.running:  # drafts of requests left out would go stale
+            if seq.draft and id(seq) not in scheduled:
+                seq.draft.clear()
+        decoding = bool(sched.chunks) and all(c.samples and c.num_tokens == 1 + len(c.seq.draft)
+                                              for c in sched.chunks)
+        verifying = any(c.samples and c.seq.draft for c in sched.chunks)
+        outputs = self._step_speculative(sched) if verifying else self._step_plain(sched)
+        if decoding and not sched.preempted:
+            # A step that drafted nothing (no n-gram matched) was a plain step.
+            tokens = sum(1 for o in outputs if o.token_id is not None)
+            self.governor.record(batch, verifying, tokens, time.perf_counter() - start)
         return outputs
 
     def _propose(self) -> None:
@@ -476,8 +556,8 @@ class Engine:
         constrained by a grammar, not penalised, biased or asking for logprobs (their
         sampling reads more than one distribution), with room before max_tokens."""
         assert self.speculator is not None
+        wanted: list[tuple[Sequence, int]] = []
         for seq in self.scheduler.running:
-            seq.draft.clear()
             params = seq.params
             if (not params.speculative or seq.num_pending or seq.num_uncomputed != 1
                     or is_penalised(params)
@@ -488,7 +568,13 @@ class Engine:
             cap = seq.max_num_tokens if seq.max_num_tokens is not None else 1 << 62
             room = cap - seq.num_known - 1
             if room > 0:
-                seq.draft.extend(self.speculator.propose(seq, room))
+                wanted.append((seq, room))
+        if not wanted:
+            return
+        for (seq, _), draft in zip(wanted, self.speculator.propose_all(wanted), strict=True):
+            seq.draft.extend(draft)
+        if isinstance(self.speculator, DraftModelSpeculator):
+            self.stats.draft_passes = self.speculator.passes
 
     def _step_speculative(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """A step with verify chunks: plain rows are sampled as always; each verify chunk's
@@ -498,22 +584,16 @@ class Engine:
         tables = [self.blocks.block_table(c.seq.request_id) for c in sched.chunks]
         with torch.inference_mode():
             step = self.runner.forward(sched, tables)
+        chunk_of = {id(c.seq): c for c in sched.chunks}
         plain: list[int] = []  # logits rows of plain sampling chunks
         plain_seqs: list[Sequence] = []
         verify: list[tuple[ScheduledChunk, list[int], torch.Tensor]] = []
-        row = 0
-        for chunk in sched.chunks:
-            if not chunk.samples:
-                continue
-            seq = chunk.seq
+        for seq, start, end in step.spans():
             if seq.draft:
-                n = len(seq.draft) + 1
-                verify.append((chunk, list(seq.draft), step.logits[row : row + n]))
-                row += n
+                verify.append((chunk_of[id(seq)], list(seq.draft), step.logits[start:end]))
             else:
-                plain.append(row)
+                plain.append(start)
                 plain_seqs.append(seq)
-                row += 1
         masks = (self.grammars.fill_async([s.request_id for s in plain_seqs])
                  if self._constrained([s.request_id for s in plain_seqs]) else None)
         with torch.inference_mode():

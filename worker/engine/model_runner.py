@@ -31,6 +31,10 @@ from worker.engine.sequence import Sequence
 from worker.models.decoder import DecoderModel, LayerAttention
 from worker.models.lora_weights import LoraBatch
 
+# A sampled chunk of up to this many tokens may run in the decode graphs, a row per token
+# (a draft model's catch-up after its drafts were kept: the last draft and the target's token).
+GRAPH_CHUNK_TOKENS = 4
+
 
 def slot_of(table: list[int], position: int, block_size: int) -> int:
     """The cache slot of a sequence's token: its block (through the table), then the offset."""
@@ -67,6 +71,17 @@ class StepLogits:
 
     logits: torch.Tensor  # [S, V] float32
     rows: list[Sequence]
+
+    def spans(self) -> list[tuple[Sequence, int, int]]:
+        """Each sampling request with its rows of ``logits``, [start, end): one row, or a
+        verify chunk's k + 1 (its last token and its k drafts)."""
+        out: list[tuple[Sequence, int, int]] = []
+        row = 0
+        for seq in self.rows:
+            n = 1 + len(seq.draft)
+            out.append((seq, row, row + n))
+            row += n
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,12 +167,9 @@ class ModelRunner:
         fill = self._pending_inputs(sched, previous)
         adapters = self._adapter_slots(sched)
         if self.graphs is not None and self._graph_step(sched):
-            positions = [c.start for c in sched.chunks]
-            bs = self.block_size
-            hidden = self.graphs.run(
-                [_first_input(c) for c in sched.chunks], positions,
-                [slot_of(t, p, bs) for t, p in zip(block_tables, positions, strict=True)],
-                block_tables, fill=fill, adapters=adapters)
+            hidden = self._graph_forward(sched, block_tables, fill, adapters)
+            if any(c.num_tokens > 1 + len(c.seq.draft) for c in sched.chunks):
+                hidden = hidden[self._sample_rows(sched)]
             return StepLogits(self.model.compute_logits(hidden), rows)
         inp = self.prepare(sched, block_tables)
         if fill is not None:
@@ -172,6 +184,34 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions,
                             PagedAttention(self.kv_cache, inp.meta, self.scale), lora)
         return StepLogits(self.model.compute_logits(hidden[inp.sample_rows]), rows)
+
+    def _graph_forward(self, sched: SchedulerOutput, block_tables: list[list[int]],
+                       fill: Callable[[torch.Tensor], None] | None,
+                       adapters: list[int] | None) -> torch.Tensor:
+        """A step of decodes and verify chunks through the captured decode graphs: each of a
+        verify chunk's tokens is a row of its own, at its position, over the chunk's block
+        table. Every row's key and value are stored before any row attends, so row i sees
+        the chunk's tokens up to its own: the causal attention of the chunk, and the graph
+        of its row count replays the whole step. -> final hidden states, one row per token."""
+        inputs: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        rows: list[int] = []  # each token's adapter slot
+        bs = self.block_size
+        for k, (chunk, table) in enumerate(zip(sched.chunks, block_tables, strict=True)):
+            end = chunk.start + chunk.num_tokens
+            inputs += ([_first_input(chunk)] if chunk.num_tokens == 1
+                       else chunk.seq.ids_between(chunk.start, end))
+            span = range(chunk.start, end)
+            positions += span
+            slots += [slot_of(table, p, bs) for p in span]
+            tables += [table] * chunk.num_tokens
+            if adapters is not None:
+                rows += [adapters[k]] * chunk.num_tokens
+        assert self.graphs is not None
+        return self.graphs.run(inputs, positions, slots, tables, fill=fill,
+                               adapters=rows if adapters is not None else None)
 
     def _forward_stage(self, sched: SchedulerOutput, block_tables: list[list[int]],
                        rows: list[Sequence]) -> StepLogits:
@@ -230,7 +270,7 @@ class ModelRunner:
         offset = 0
         for chunk in sched.chunks:
             seq = chunk.seq
-            known = seq.num_known + len(getattr(seq, "draft", ()))  # drafts are inputs too
+            known = seq.num_known + len(seq.draft)  # drafts are inputs too
             if chunk.start + chunk.num_tokens > known:
                 # Only a decode can read a pending token: the one its last step sampled.
                 if previous is None or chunk.num_tokens != 1:
@@ -251,11 +291,25 @@ class ModelRunner:
         return fill
 
     def _graph_step(self, sched: SchedulerOutput) -> bool:
-        """A decode-only step (every chunk one token, sampled) that fits a captured size."""
+        """A step of decodes, verify chunks and short final chunks only (each sampled; a
+        draft model's catch-up), its tokens within the captured sizes."""
         assert self.graphs is not None
         chunks = sched.chunks
-        return (0 < len(chunks) <= self.graphs.max_batch
-                and all(c.num_tokens == 1 and c.samples for c in chunks))
+        return (0 < sum(c.num_tokens for c in chunks) <= self.graphs.max_batch
+                and all(c.samples and c.num_tokens <= max(GRAPH_CHUNK_TOKENS,
+                                                          1 + len(c.seq.draft))
+                        for c in chunks))
+
+    def _sample_rows(self, sched: SchedulerOutput) -> torch.Tensor:
+        """The flat rows whose logits are sampled: each sampling chunk's last token, and a
+        verify chunk's drafts before it."""
+        rows: list[int] = []
+        end = 0
+        for chunk in sched.chunks:
+            end += chunk.num_tokens
+            if chunk.samples:
+                rows += range(end - 1 - len(chunk.seq.draft), end)
+        return upload(rows, torch.long, self.device)
 
     def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelInput:
         ids: list[int] = []
@@ -276,8 +330,7 @@ class ModelRunner:
             slots += [slot_of(table, p, bs) for p in span]
             if chunk.samples:
                 # A verify chunk (its last token and drafts) needs logits at every position.
-                drafted = len(getattr(chunk.seq, "draft", ()))
-                sample_rows += range(len(ids) - 1 - drafted, len(ids))
+                sample_rows += range(len(ids) - 1 - len(chunk.seq.draft), len(ids))
             seq_lens.append(end)
             query_lens.append(chunk.num_tokens)
         meta = PagedAttentionMetadata.build(

@@ -143,11 +143,7 @@ class Sampler:
         uniform = torch.empty_like(probs)
         for i, row in enumerate(rows):
             uniform[i].uniform_(generator=self.generator(row, vocab))
-        # The exponential race: argmax(p / E) with E = -log U ~ Exp(1) picks token j with
-        # probability p_j. U lies in [0, 1): E is never 0 (no 0 / 0), and lifting U off 0
-        # keeps E finite, so a kept token never scores 0 like the filtered ones.
-        noise = uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()
-        return row_argmax(probs.div_(noise))
+        return race(probs, uniform)
 
     def generator(self, row: SamplingRow, vocab: int) -> torch.Generator:
         """The request's own random stream (made on its first draw)."""
@@ -172,6 +168,15 @@ class Sampler:
         home = self.device
         if logits.device.type != home.type or home.index not in (None, logits.device.index):
             raise ValueError(f"logits on {logits.device}, but this sampler works on {home}")
+
+
+def race(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The exponential race: argmax(p / E) with E = -log U ~ Exp(1) picks token j with
+    probability p_j. probs [N, V] (divided in place), uniform [N, V] in [0, 1) (used up) ->
+    [N] int64. U lies in [0, 1): E is never 0 (no 0 / 0), and lifting U off 0 keeps E
+    finite, so a kept token never scores 0 like the filtered ones."""
+    noise = uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()
+    return row_argmax(probs.div_(noise))
 
 
 def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]],

@@ -77,10 +77,6 @@ class ParallelRunner:
             self.on_lost(f"a collective failed ({str(exc).splitlines()[0][:200]})")
         raise exc
 
-    def run(self, sched: SchedulerOutput, block_tables: list[list[int]],
-            mask: TokenMask | None = None):  # noqa: ANN201
-        return self.sample(self.forward(sched, block_tables), mask)()
-
     def free(self, request_id: str) -> None:
         self.runner.free(request_id)
         self._writer.forget(request_id)

@@ -169,7 +169,7 @@ def follower_main(layout: ParallelLayout, rank: int, init_method: str, spec: Sha
                         quantize=spec.quantize, place=layout.place(rank))
     assert isinstance(spec.engine, EngineConfig)
     loaded.model.connect(group if layout.tp > 1 else None)
-    _spec, runner = build_runner(loaded.model, spec.engine, None, group)
+    _spec, runner, _draft = build_runner(loaded.model, spec.engine, None, group)
     follower = Follower(runner, group)
     try:
         follower.run()

@@ -77,6 +77,9 @@ class PlanSeq:
     ids: list[int]
     prompt_ids: list[int]
     output_ids: list[int]
+    # Speculative drafts: none on a parallel worker (speculation is refused there), kept so
+    # the runner reads one shape of request.
+    draft: tuple[int, ...] = ()
 
     @property
     def num_known(self) -> int:

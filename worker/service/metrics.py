@@ -79,6 +79,12 @@ class _EngineCollector(Collector):
                                       "Verify chunks run: each gives its kept drafts and one "
                                       "token more (tokens per step = (accepted + chunks) / "
                                       "chunks).", stats.verify_chunks)
+            yield CounterMetricFamily("tidegate_spec_steps",
+                                      "Steps that drafted: the others decoded plainly, past the "
+                                      "batch size where speculation measured slower.",
+                                      stats.speculative_steps)
+            yield CounterMetricFamily("tidegate_spec_draft_passes",
+                                      "Forward passes of the draft model.", stats.draft_passes)
         if engine.pipeline_depth:
             yield CounterMetricFamily("tidegate_pipeline_overlapped_steps",
                                       "Steps launched while an earlier step was still in the "

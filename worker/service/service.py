@@ -44,6 +44,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 import torch
@@ -51,7 +52,7 @@ from redis.exceptions import RedisError
 
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
-from tidegate.model_files.model_source import resolve_model
+from tidegate.model_files.model_source import ModelLoadError, resolve_model
 from tidegate.model_files.served_model import ServedModel, served_models
 from tidegate.model_files.tokenizer import load_tokenizer
 from tidegate.operations.status_server import StatusServer
@@ -70,6 +71,7 @@ from worker.engine.engine import (
     ResumeError,
 )
 from worker.engine.grammar_masks import GrammarUnavailable
+from worker.models.decoder import DecoderModel
 from worker.parallel.layout import ParallelLayout
 from worker.parallel.parallel_engine import start_parallel_engine
 from worker.service.adapter_loader import AdapterLoader
@@ -82,6 +84,9 @@ from worker.service.migration import job_seed
 from worker.service.publisher import ActiveJob, EventPublisher
 from worker.shedding.calibration import calibrate, timed_step
 from worker.shedding.load_shedder import Commitments, Load, LoadShedder, ShedderConfig
+
+if TYPE_CHECKING:
+    from worker.models.loaders.loader import LoadedModel
 
 log = logging.getLogger("tidegate.worker")
 
@@ -503,10 +508,35 @@ def build_engine(settings: Settings) -> Engine:
              f", packed {'+'.join(packed_types)}, {loaded.activations()} activations"
              if packed_types else "")
     max_len = min(loaded.tokenizer.max_context, loaded.config.max_position_embeddings)
+    draft = None
+    if settings.speculative.startswith("draft:"):
+        draft = _load_draft(settings, loaded, dtype)
     engine = Engine(loaded.model, loaded.tokenizer,
-                    engine_config(settings, max_len, settings.max_loras))
+                    engine_config(settings, max_len, settings.max_loras), draft=draft)
     _prepare_grammars(engine)
     return engine
+
+
+def _load_draft(settings: Settings, target: LoadedModel, dtype: torch.dtype | None
+                ) -> DecoderModel:
+    """The draft model of ``--speculative draft:MODEL``, on the target's device and dtype;
+    ``ModelLoadError`` unless it shares the target's tokenizer (the same vocabulary, ids and
+    end tokens): its drafts are token ids the target verifies."""
+    from worker.models.loaders.loader import load_model
+
+    spec = settings.speculative.removeprefix("draft:")
+    draft = load_model(spec, device=settings.device, dtype=dtype,
+                       cpu_activations=settings.cpu_activations)
+    ours, theirs = target.tokenizer, draft.tokenizer
+    if (ours.backend.get_vocab(with_added_tokens=True)
+            != theirs.backend.get_vocab(with_added_tokens=True)
+            or ours.eos_token_ids != theirs.eos_token_ids):
+        raise ModelLoadError(f"--speculative {settings.speculative}: the draft's tokenizer is "
+                             f"not {target.source.name}'s (a draft must share the target's "
+                             "vocabulary)")
+    log.info("draft model %s loaded in %.1fs (%.1f MB of weights)", draft.source.name,
+             draft.load_s, draft.weight_bytes() / 1e6)
+    return draft.model
 
 
 def engine_config(settings: Settings, max_model_len: int, max_loras: int) -> EngineConfig:
@@ -522,8 +552,11 @@ def engine_config(settings: Settings, max_model_len: int, max_loras: int) -> Eng
         cuda_graphs=settings.cuda_graphs,
         max_loras=max_loras,
         max_lora_rank=settings.max_lora_rank,
-        speculative=None if settings.speculative == "none" else settings.speculative,
+        speculative=(None if settings.speculative == "none" else
+                     "draft" if settings.speculative.startswith("draft:") else
+                     settings.speculative),
         num_speculative_tokens=settings.num_speculative_tokens,
+        speculative_max_batch=settings.speculative_max_batch,
         # Speculative steps are read back before the next is launched.
         async_output=False if settings.speculative != "none" else None,
     )

@@ -1,22 +1,31 @@
 """``DraftVerifier``: which drafted tokens a request keeps, from the target model's logits.
 
 A speculative request's chunk is its last token and ``k`` drafted ones; the model's logits at
-those k + 1 positions are the target's next-token distributions after each prefix. Greedy: the
-drafts are kept while each equals the argmax after the prefix before it, then the argmax at the
-first miss (or after the last draft) is the extra token, exactly the tokens plain decoding
-gives. Sampling: draft ``d`` at a position is kept with probability p(d) (a proposer that names
-one token is a one-hot draft distribution, so min(1, p/q) is p); at the first rejection the
-token is drawn from p with ``d`` taken out, renormalised, and after the last draft one more from
-p. Each kept or drawn token is then distributed exactly as plain sampling's (the rejection
-sampling of Leviathan et al. / Chen et al.); all draws come from the request's own generator,
-so a seeded request gives the same tokens again.
+those k + 1 positions are the target's next-token distributions after each prefix. Every
+position's token is picked exactly as plain decoding picks it, and a draft is kept while it
+equals that token: greedy takes the argmax; sampling draws each position's token with the
+request's own random stream, one draw per position as the sampler makes one per token (the
+exponential race). The first position whose token differs from its draft (or the one after the
+last draft) gives the last token of the step. So the tokens are plain decoding's, token for
+token, for greedy and seeded requests alike, and a request's stream is left where plain
+decoding leaves it: speculation on or off, a continued (migrated) request, or a step with fewer
+drafts all draw the same. A proposer that names one token per position is a one-hot draft
+distribution, and keeping it exactly when the target's own draw picks it is rejection sampling
+with acceptance p(d) (Leviathan et al. / Chen et al.), the best possible for such drafts.
 """
 
 from __future__ import annotations
 
 import torch
 
-from worker.engine.sampler import GREEDY_BELOW, Sampler, SamplingRow, probabilities, row_argmax
+from worker.engine.sampler import (
+    GREEDY_BELOW,
+    Sampler,
+    SamplingRow,
+    probabilities,
+    race,
+    row_argmax,
+)
 
 
 class DraftVerifier:
@@ -30,31 +39,24 @@ class DraftVerifier:
         if logits.shape[0] != k + 1:
             raise ValueError(f"{logits.shape[0]} logits rows for {k} drafts")
         if row.params.temperature < GREEDY_BELOW:
-            best = row_argmax(logits).tolist()
-            out: list[int] = []
-            for i, token in enumerate(draft):
-                if best[i] != token:
-                    return [*out, best[i]]
-                out.append(token)
-            return [*out, best[k]]
-        vocab = logits.shape[-1]
+            return _kept(row_argmax(logits).tolist(), draft)
         probs = probabilities(logits, [row.params] * (k + 1))
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-        gen = self.sampler.generator(row, vocab)
-        accept = torch.rand(k, generator=gen, device=probs.device).tolist() if k else []
-        out = []
-        for i, token in enumerate(draft):
-            if accept[i] < float(probs[i, token]):
-                out.append(token)
-                continue
-            residual = probs[i].clone()
-            residual[token] = 0.0
-            return [*out, _draw(residual, gen)]
-        return [*out, _draw(probs[k], gen)]
+        gen = self.sampler.generator(row, logits.shape[-1])
+        uniform = torch.empty_like(probs)
+        states: list[torch.Tensor] = []
+        for j in range(k + 1):  # row by row, as the sampler draws: the same stream
+            uniform[j].uniform_(generator=gen)
+            states.append(gen.get_state())
+        tokens = _kept(race(probs, uniform).tolist(), draft)
+        # Positions past the last token were drawn for nothing: give their draws back.
+        gen.set_state(states[len(tokens) - 1])
+        return tokens
 
 
-def _draw(p: torch.Tensor, gen: torch.Generator) -> int:
-    """One token with probability proportional to ``p`` [V] (the exponential race)."""
-    uniform = torch.rand(p.shape, generator=gen, device=p.device)
-    noise = uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()
-    return int(row_argmax((p / noise)[None])[0])
+def _kept(picked: list[int], draft: list[int]) -> list[int]:
+    """The drafts while each equals the token picked at its position, then the picked token
+    at the first miss (or after the last draft)."""
+    for i, token in enumerate(draft):
+        if picked[i] != token:
+            return picked[: i + 1]
+    return picked[: len(draft) + 1]

@@ -28,5 +28,9 @@ class NgramSpeculator:
         index.extend(seq.output_ids[have - n :])
         return index.propose(min(self.num_tokens, limit))
 
+    def propose_all(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """``propose`` for each (request, limit)."""
+        return [self.propose(seq, limit) for seq, limit in wanted]
+
     def forget(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)

@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kernels.moe import route
+from tests.worker.engine_runs import run_to_end
 from tests.worker.hf_oracle import causal_logits, hf_greedy, hf_logits
 from tests.worker.models.family_checkpoints import (
     FAMILIES,
@@ -59,13 +60,7 @@ def test_logits_match_transformers(family: tuple[str, PreTrainedModel, LoadedMod
 
 
 def run_all(engine: Engine) -> dict[str, list[RequestOutput]]:
-    outs: dict[str, list[RequestOutput]] = {}
-    for _ in range(2000):
-        if not engine.has_unfinished():
-            return outs
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-    raise AssertionError("engine did not finish")
+    return run_to_end(engine, max_steps=2000)
 
 
 @pytest.mark.parametrize("num_blocks", [64, 14], ids=["roomy", "preempting"])

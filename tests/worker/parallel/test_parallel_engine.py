@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.worker.engine.test_engine_structured import conforms, mixed_requests
+from tests.worker.engine_runs import run_to_end
 from tidegate.protocol import SamplingParams
 from worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from worker.models.loaders.loader import load_model
@@ -42,15 +43,7 @@ def workload() -> list[EngineRequest]:
 
 
 def run(engine: Engine, reqs: list[EngineRequest]) -> dict[str, list[RequestOutput]]:
-    for r in reqs:
-        engine.add_request(r)
-    outs: dict[str, list[RequestOutput]] = {}
-    for _ in range(10_000):
-        if not engine.has_unfinished():
-            return outs
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-    raise AssertionError("engine did not finish")
+    return run_to_end(engine, reqs, max_steps=10_000)
 
 
 def tokens(outs: dict[str, list[RequestOutput]]) -> dict[str, list[int]]:

@@ -75,3 +75,31 @@ def test_a_seed_repeats_its_tokens() -> None:
     a = DraftVerifier(Sampler()).verify(logits, Row("x", params, 7), [3, 4, 5])
     b = DraftVerifier(Sampler()).verify(logits, Row("x", params, 7), [3, 4, 5])
     assert a == b
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.9, seed=3),
+    SamplingParams(temperature=0.6, top_p=0.9, seed=4),
+    SamplingParams(temperature=0.0),
+], ids=["plain", "top-p", "greedy"])
+def test_tokens_are_plain_samplings_and_the_stream_stays_in_step(params: SamplingParams) -> None:
+    """Whatever the drafts, the tokens given are those plain sampling draws position by
+    position with the same seed, and the request's stream is left where plain sampling
+    leaves it after as many tokens: the next draw is the same too."""
+    torch.manual_seed(2)
+    logits = torch.randn(4, 30) * 2
+    seed = params.seed or 0
+    plain_sampler = Sampler()
+    row = Row("p", params, seed)
+    plain = [plain_sampler(logits[j : j + 1], [row]).token_ids[0] for j in range(4)]
+    for draft in ([plain[0], plain[1], plain[2]],  # every draft kept
+                  [plain[0], (plain[1] + 1) % 30, 0],  # the second missed
+                  [(plain[0] + 1) % 30, 5, 6]):  # the first missed
+        sampler = Sampler()
+        verifier = DraftVerifier(sampler)
+        row = Row("p", params, seed)
+        tokens = verifier.verify(logits, row, draft)
+        n = len(tokens)
+        assert tokens == plain[:n]
+        if n < 4:  # then plain sampling goes on from the same stream
+            assert sampler(logits[n : n + 1], [row]).token_ids[0] == plain[n]

@@ -1,31 +1,28 @@
-"""Speculative decoding (n-gram drafts) in the engine: greedy tokens identical to plain
-decoding across chunked prefill, prefix caching, preemption, choices, stops and max_tokens, on
-the default model and a tiny random one; the KV cache block by block; seeds; the opt-out."""
+"""Speculative decoding in the engine, with each proposer (n-gram drafts; a draft model equal
+to the target, which accepts everything; a draft model that disagrees): greedy and seeded
+tokens identical to plain decoding across chunked prefill, prefix caching, preemption,
+choices, stops and max_tokens, on the default model and a tiny random one; the KV cache block
+by block; the opt-out; speculation switched off past a batch size."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.worker.engine_runs import run_to_end
 from tidegate.protocol import SamplingParams
 from worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from worker.models.decoder import DecoderModel
 from worker.models.loaders.loader import LoadedModel, load_model
 
 TEXT = ("The committee approved the new budget for the harbour bridge, which will be "
         "repainted in the spring and reopened to traffic in June. Residents asked for a second "
         "footpath on the eastern side, and the council promised to study it before the summer.")
+PROPOSERS = ["ngram", "draft-same", "draft-other"]
 
 
 def run(engine: Engine, reqs: list[EngineRequest]) -> dict[str, list[RequestOutput]]:
-    for r in reqs:
-        engine.add_request(r)
-    outs: dict[str, list[RequestOutput]] = {}
-    for _ in range(20_000):
-        if not engine.has_unfinished():
-            return outs
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-    raise AssertionError("engine did not finish")
+    return run_to_end(engine, reqs)
 
 
 def summary(outs: dict[str, list[RequestOutput]]) -> dict[str, tuple[object, ...]]:
@@ -41,11 +38,36 @@ def summary(outs: dict[str, list[RequestOutput]]) -> dict[str, tuple[object, ...
     return out
 
 
-def both(loaded: LoadedModel, reqs: list[EngineRequest], **config: object
+def speculative(loaded: LoadedModel, proposer: str, **config: object) -> Engine:
+    """An engine speculating in every step (the governor's measurements are its own test):
+    ``ngram``, or a draft model: the target itself (``draft-same``) or other random weights
+    of the same shape and tokenizer (``draft-other``)."""
+    config = {"max_model_len": 1024, "num_blocks": 256, "speculative_max_batch": 1024,
+              **config}
+    if proposer == "ngram":
+        return Engine(loaded.model, loaded.tokenizer, EngineConfig(speculative="ngram", **config))
+    draft = loaded.model if proposer == "draft-same" else other_draft(loaded)
+    return Engine(loaded.model, loaded.tokenizer, EngineConfig(speculative="draft", **config),
+                  draft=draft)
+
+
+_OTHER: dict[int, DecoderModel] = {}
+
+
+def other_draft(loaded: LoadedModel) -> DecoderModel:
+    """Random weights of the target's shape, another seed (loaded once per target)."""
+    if id(loaded) not in _OTHER:
+        assert loaded.source.kind == "random"
+        _OTHER[id(loaded)] = load_model(loaded.source.spec, seed=1).model
+    return _OTHER[id(loaded)]
+
+
+def both(loaded: LoadedModel, reqs: list[EngineRequest], proposer: str = "ngram",
+         **config: object
          ) -> tuple[dict[str, tuple[object, ...]], dict[str, tuple[object, ...]], Engine]:
     config = {"max_model_len": 1024, "num_blocks": 256, **config}
     plain = run(Engine(loaded.model, loaded.tokenizer, EngineConfig(**config)), reqs)
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(speculative="ngram", **config))
+    engine = speculative(loaded, proposer, **config)
     return summary(plain), summary(run(engine, reqs)), engine
 
 
@@ -64,7 +86,8 @@ def chat(loaded: LoadedModel, text: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_default_model_greedy_is_plain_decoding(smollm2: LoadedModel) -> None:
+@pytest.mark.parametrize("proposer", ["ngram", "draft-same"])
+def test_default_model_greedy_is_plain_decoding(smollm2: LoadedModel, proposer: str) -> None:
     reqs = [
         EngineRequest("copy", chat(smollm2, "Repeat this text exactly:\n\n" + TEXT),
                       SamplingParams(max_tokens=80)),
@@ -75,14 +98,30 @@ def test_default_model_greedy_is_plain_decoding(smollm2: LoadedModel) -> None:
         EngineRequest("free", chat(smollm2, "What is the capital of France?"),
                       SamplingParams(max_tokens=24)),
     ]
-    plain, spec, engine = both(smollm2, reqs)
+    plain, spec, engine = both(smollm2, reqs, proposer)
     assert spec == plain
     assert "spring" not in str(spec["stop#0"][2]) and spec["stop#0"][3] == "stop"
     assert spec["short#0"][4] == 7
     stats = engine.stats
-    assert stats.accepted_tokens > 0.5 * stats.draft_tokens > 0  # a quoting workload
+    # A quoting workload. The target as its own draft keeps every draft, but drafts past a
+    # stop (the end of the text, the stop string) are dropped, not counted as kept.
+    kept = 0.5 if proposer == "ngram" else 0.85
+    assert stats.accepted_tokens > kept * stats.draft_tokens > 0
     # Fewer steps than tokens: several tokens came out of one step.
     assert stats.steps < stats.decode_tokens
+
+
+def assert_drafted(engine: Engine, proposer: str) -> None:
+    """Drafts were verified: n-gram ones often kept, the target's own always (less those
+    dropped after a stop id), other random weights' seldom."""
+    stats = engine.stats
+    assert stats.draft_tokens > 0
+    if proposer == "ngram":
+        assert stats.accepted_tokens > 0
+    elif proposer == "draft-same":
+        assert stats.accepted_tokens >= 0.95 * stats.draft_tokens
+    else:
+        assert stats.accepted_tokens < stats.draft_tokens
 
 
 def repetitive(i: int) -> list[int]:
@@ -91,40 +130,45 @@ def repetitive(i: int) -> list[int]:
     return unit * 5
 
 
+@pytest.mark.parametrize("proposer", PROPOSERS)
 @pytest.mark.parametrize("config", [
     {},
     {"max_num_batched_tokens": 12, "max_num_seqs": 4},  # chunked prompts, drafts cut to fit
     {"num_blocks": 24, "block_size": 8},  # preemption
     {"prefix_caching": False},
 ], ids=["default", "chunked", "preempting", "no-prefix-cache"])
-def test_tiny_greedy_is_plain_decoding(tiny: LoadedModel, config: dict[str, object]) -> None:
+def test_tiny_greedy_is_plain_decoding(tiny: LoadedModel, config: dict[str, object],
+                                       proposer: str) -> None:
     reqs = [EngineRequest(f"r{i}", repetitive(i), SamplingParams(
         max_tokens=30 + 5 * i, ignore_eos=True)) for i in range(6)]
     reqs.append(EngineRequest("choices", repetitive(9), SamplingParams(
         max_tokens=20, ignore_eos=True, n=2, temperature=0.0)))
     reqs.append(EngineRequest("stop-id", repetitive(2), SamplingParams(
         max_tokens=40, stop_token_ids=[repetitive(2)[3]])))
-    plain, spec, engine = both(tiny, reqs, **config)
+    plain, spec, engine = both(tiny, reqs, proposer, **config)
     assert spec == plain
-    assert engine.stats.accepted_tokens > 0
+    assert_drafted(engine, proposer)
     if config.get("num_blocks") == 24:
         assert engine.stats.preemptions > 0
 
 
-def test_kv_cache_holds_only_kept_tokens_block_by_block(tiny: LoadedModel) -> None:
+@pytest.mark.parametrize("proposer", ["ngram", "draft-other"])
+def test_kv_cache_holds_only_kept_tokens_block_by_block(tiny: LoadedModel,
+                                                        proposer: str) -> None:
     """Mid-run, every computed position's keys and values equal plain decoding's, and the
     prefix cache registered the same blocks: rejected drafts left nothing behind."""
     req = EngineRequest("kv", repetitive(4), SamplingParams(max_tokens=200, ignore_eos=True))
     engines = []
-    for spec in (None, "ngram"):
-        engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(
-            max_model_len=1024, num_blocks=64, block_size=4, speculative=spec))
+    for engine in (Engine(tiny.model, tiny.tokenizer, EngineConfig(
+                       max_model_len=1024, num_blocks=64, block_size=4)),
+                   speculative(tiny, proposer, num_blocks=64, block_size=4)):
         engine.add_request(req)
         while len(engine._seqs["kv"].output_ids) < 40:
             engine.step()
         engines.append(engine)
     plain, spec = engines
-    assert spec.stats.draft_tokens > spec.stats.accepted_tokens > 0  # some were rejected
+    assert spec.stats.draft_tokens > spec.stats.accepted_tokens  # some were rejected
+    assert_drafted(spec, proposer)
     n = min(e._seqs["kv"].num_computed for e in engines)
     bs = 4
     for block in range(n // bs):
@@ -142,18 +186,70 @@ def test_kv_cache_holds_only_kept_tokens_block_by_block(tiny: LoadedModel) -> No
         assert len(e.blocks.cached_prefix(seq.all_ids() + [0] * 8, None)) == full
 
 
-def test_seeded_sampling_repeats_and_the_opt_out_drafts_nothing(tiny: LoadedModel) -> None:
-    sampled = EngineRequest("s", repetitive(1), SamplingParams(
-        max_tokens=40, temperature=0.8, seed=5, ignore_eos=True))
-    config = EngineConfig(max_model_len=1024, num_blocks=64, speculative="ngram")
-    first = summary(run(Engine(tiny.model, tiny.tokenizer, config), [sampled]))
-    engine = Engine(tiny.model, tiny.tokenizer, config)
-    assert summary(run(engine, [sampled])) == first
+@pytest.mark.parametrize("proposer", ["draft-same", "draft-other"])
+def test_seeded_sampling_gives_plain_sampling_tokens(tiny: LoadedModel, proposer: str) -> None:
+    """Each position's token is drawn as plain sampling draws it: a seeded request gives
+    plain sampling's tokens with speculation, whatever was drafted and kept, and again.
+    (The tiny model's samples never repeat themselves, so n-gram drafts would be none.)"""
+    reqs = [EngineRequest(f"s{i}", repetitive(i), SamplingParams(
+        max_tokens=40, temperature=t, top_k=k, seed=5 + i, ignore_eos=True))
+        for i, (t, k) in enumerate([(0.8, 0), (0.3, 0), (1.0, 20)])]
+    plain, spec, engine = both(tiny, reqs, proposer, num_blocks=64)
+    assert spec == plain
+    assert engine.stats.draft_tokens > 0
+    if proposer == "draft-same":  # its argmax drafts: kept with the target's probability
+        assert 0 < engine.stats.accepted_tokens < engine.stats.draft_tokens
+    assert summary(run(speculative(tiny, proposer, num_blocks=64), reqs)) == plain
+
+
+def test_the_target_as_its_own_draft_keeps_every_draft(tiny: LoadedModel) -> None:
+    reqs = [EngineRequest(f"r{i}", repetitive(i), SamplingParams(max_tokens=40, ignore_eos=True))
+            for i in range(4)]
+    plain, spec, engine = both(tiny, reqs, "draft-same", num_speculative_tokens=3)
+    assert spec == plain
+    stats = engine.stats
+    assert stats.accepted_tokens == stats.draft_tokens > 0
+    # Every verify chunk gave its 3 drafts and one more, except where max_tokens cut it.
+    assert stats.decode_tokens >= 3.5 * stats.verify_chunks
+
+
+def test_a_draft_cache_without_room_drafts_nothing_and_stays_right(tiny: LoadedModel) -> None:
+    """The draft cache holds as many blocks as the target's: with the target's prefix
+    cache sharing one long prompt between requests, the draft's (which shares it too) is
+    what runs short first, and requests it has no room for decode plainly."""
+    prompt = repetitive(3) * 6
+    reqs = [EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+            for i in range(6)]
+    plain, spec, engine = both(tiny, reqs, "draft-other", num_blocks=40, block_size=8)
+    assert spec == plain
+    assert engine.stats.draft_tokens > 0
+
+
+def test_the_opt_out_drafts_nothing(tiny: LoadedModel) -> None:
     off = EngineRequest("off", repetitive(1), SamplingParams(
         max_tokens=40, ignore_eos=True, speculative=False))
-    engine = Engine(tiny.model, tiny.tokenizer, config)
-    run(engine, [off])
-    assert engine.stats.draft_tokens == 0
+    for proposer in ("ngram", "draft-same"):
+        engine = speculative(tiny, proposer, num_blocks=64)
+        run(engine, [off])
+        assert engine.stats.draft_tokens == engine.stats.draft_passes == 0
+
+
+def test_speculation_switches_off_past_the_max_batch(tiny: LoadedModel) -> None:
+    """speculative_max_batch 2: four requests decode plainly, the last two speculate."""
+    reqs = [EngineRequest(f"r{i}", repetitive(i), SamplingParams(
+        max_tokens=10 + 30 * (i // 2), ignore_eos=True)) for i in range(4)]
+    engine = speculative(tiny, "ngram", speculative_max_batch=2)
+    seen: list[tuple[int, int]] = []
+    engine_reqs = list(reqs)
+    for r in engine_reqs:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        before = engine.stats.draft_tokens
+        batch = engine.num_running
+        engine.step()
+        seen.append((batch, engine.stats.draft_tokens - before))
+    assert all(drafted == 0 for batch, drafted in seen if batch > 2)
+    assert sum(drafted for batch, drafted in seen if batch <= 2) > 0
 
 
 def test_speculation_needs_steps_read_back() -> None:
@@ -161,3 +257,24 @@ def test_speculation_needs_steps_read_back() -> None:
         EngineConfig(max_model_len=64, speculative="ngram", async_output=True)
     with pytest.raises(ValueError, match="ngram"):
         EngineConfig(max_model_len=64, speculative="eagle")
+
+
+@pytest.mark.parametrize("proposer", ["draft-same", "draft-other"])
+def test_a_migrated_sampled_request_goes_on_as_the_uninterrupted_one(
+        tiny: LoadedModel, proposer: str) -> None:
+    """A speculative run draws one number per token, as plain sampling does: a request
+    continued elsewhere from its first 17 tokens (a migrated job, its seed given) ends with
+    the uninterrupted run's tokens, with speculation on either side."""
+    params = SamplingParams(max_tokens=40, temperature=0.8, ignore_eos=True)
+    whole = run(speculative(tiny, proposer, num_blocks=64),
+                [EngineRequest("m", repetitive(5), params, seed=11)])["m"]
+    kept = [o for o in whole if o.token_id is not None][:17]
+    rest = run(speculative(tiny, proposer, num_blocks=64), [EngineRequest(
+        "m", repetitive(5), params, seed=11, output_ids=tuple(o.token_id for o in kept),
+        output_text="".join(o.text for o in kept))])["m"]
+    tokens = [o.token_id for o in whole if o.token_id is not None]
+    assert [o.token_id for o in rest if o.token_id is not None] == tokens[17:]
+    plain = run(Engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=1024,
+                                                                num_blocks=64)),
+                [EngineRequest("m", repetitive(5), params, seed=11)])["m"]
+    assert [o.token_id for o in plain if o.token_id is not None] == tokens
