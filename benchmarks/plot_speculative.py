@@ -1,6 +1,7 @@
-"""Plot the break-even run of ``benchmarks/speculative_gpu.py``: output tok/s by batch size,
-plain decoding against forced speculation and the governor's choice (drafts that always agree
-and cost nothing), and the speed-ups.
+"""Plot the break-even run of ``benchmarks/speculative_gpu.py``: by batch size, a verify
+step's cost against a decode step's (speculation with a free draft pays while it is below
+1 + a K, the tokens a verify step gives at acceptance a), and with drafts that are never kept,
+the governor's and forced speculation's tok/s against plain decoding.
 
     python benchmarks/plot_speculative.py benchmarks/results/speculative_h200.json \\
         --out benchmarks/results/speculative_h200.png
@@ -25,25 +26,28 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     run = json.loads(args.results.read_text())
-    rows = run["breakeven"]
-    batches = [r["batch"] for r in rows]
+    k = run["args"]["k"]
+    costs, governed = run["breakeven"]["step_costs"], run["breakeven"]["governor"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for key, label in (("plain_tok_s", "plain"), ("forced_tok_s", "speculating every step"),
-                       ("governed_tok_s", "governor's choice")):
-        left.plot(batches, [r[key] for r in rows], marker="o", label=label)
-    left.set(xscale="log", yscale="log", xlabel="batch (requests at once)",
-             ylabel="output tok/s", title=f"{run['model']}, K = {run['args']['k']}, "
-                                          f"{run['device']}")
+    batches = [c["batch"] for c in costs]
+    left.plot(batches, [c["ratio"] for c in costs], marker="o", color="black",
+              label=f"verify step (K = {k}) / decode step")
+    for a, style in ((1.0, "-"), (0.8, "--"), (0.6, ":")):
+        left.axhline(1 + a * k, ls=style, color="tab:green",
+                     label=f"1 + {a:g} K: pays below, acceptance {a:g}")
+    left.set(xscale="log", xlabel="batch (requests at once)", ylabel="step time ratio",
+             title=f"{run['model']}, {run['device']}")
     left.set_xticks(batches, [str(b) for b in batches])
-    left.legend()
-    for key, label in (("forced_speedup", "speculating every step"),
-                       ("governed_speedup", "governor's choice")):
-        right.plot(batches, [r[key] for r in rows], marker="o", label=label)
+    left.legend(fontsize=8)
+    batches = [g["batch"] for g in governed]
+    for key, label in (("governed_vs_plain", "governor's choice"),
+                       ("forced_vs_plain", "speculating every step")):
+        right.plot(batches, [g[key] for g in governed], marker="o", label=label)
     right.axhline(1.0, color="grey", lw=0.8)
-    right.set(xscale="log", xlabel="batch (requests at once)", ylabel="x plain",
-              title="speed-up over plain decoding")
+    right.set(xscale="log", ylim=(0, 1.2), xlabel="batch (requests at once)",
+              ylabel="tok/s / plain tok/s", title="drafts never kept: switched off by itself")
     right.set_xticks(batches, [str(b) for b in batches])
-    right.legend()
+    right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
 

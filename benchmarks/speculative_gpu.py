@@ -5,16 +5,18 @@ mechanism's costs are what is measured), one CUDA device:
 
 - ``verify``: batch 1 past a 512-token prompt, a K-draft verify step against a decode step
   (drafts set by hand), both read back every step; the verify step replays the decode graph of
-  K + 1 rows.
+  K + 1 rows. The other sections run as a worker does: plain steps overlapped (async output),
+  a speculative step read back before the next.
 - ``ceiling``: batch 1, drafts that always agree: the target drafting for itself
   (``speculative="draft"`` with the target as the draft model). Tok/s against plain decoding,
   as served (the draft's passes cost what the target's do) and with the draft's time taken out
   (a free draft that always agrees: the mechanism's ceiling).
 - ``draft1b``: the Llama-3.2-1B shape as the draft model of the 8B target: the draft's time per
   proposed token at batch 1, against the target's decode step.
-- ``breakeven``: drafts that agree and cost nothing (an oracle replaying the plain run's
-  tokens) at batch sizes 1..256: forced speculation against plain decoding, and the governor's
-  own choice (``SpeculationGovernor``), which is to follow the faster of the two.
+- ``breakeven``: at batch sizes 1..256, a verify step's cost against a decode step's, and so
+  the batch size past which speculation stops paying at a given acceptance (a verify step
+  gives 1 + a K tokens); then the governor (``SpeculationGovernor``) with drafts that are
+  never kept, which it should switch off: its tok/s against plain and forced speculation.
 
     python benchmarks/speculative_gpu.py --out $OUT/speculative_gpu.json
     python benchmarks/speculative_gpu.py --device cpu --model random:tiny --draft random:tiny \
@@ -58,25 +60,6 @@ class Fixed:
         pass
 
 
-class Oracle:
-    """Drafts what the plain run generated next: agrees while the request's tokens are the
-    plain run's (bf16 rounding may part them at a near-tie; then it drafts nothing)."""
-
-    def __init__(self, recorded: dict[str, list[int]], k: int) -> None:
-        self.recorded, self.k = recorded, k
-
-    def propose_all(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
-        out = []
-        for seq, limit in wanted:
-            rec, n = self.recorded.get(seq.request_id, []), len(seq.output_ids)
-            same = rec[:n] == seq.output_ids
-            out.append(rec[n : n + min(self.k, limit)] if same else [])
-        return out
-
-    def forget(self, request_id: str) -> None:
-        pass
-
-
 class Timed:
     """A proposer whose time (the host waits for its last pass) and drafts are counted."""
 
@@ -101,9 +84,11 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def config(batch: int, k: int, speculative: str | None = "ngram") -> EngineConfig:
-    """No prefix cache: a run after another of the same prompts computes them again."""
-    return EngineConfig(max_model_len=2048, max_num_seqs=batch, async_output=False,
+def config(batch: int, k: int, speculative: str | None = "ngram",
+           async_output: bool | None = None) -> EngineConfig:
+    """As a worker runs (plain steps overlapped on a GPU), but no prefix cache: a run after
+    another of the same prompts computes them again."""
+    return EngineConfig(max_model_len=2048, max_num_seqs=batch, async_output=async_output,
                         max_num_batched_tokens=max(512, batch * (k + 1)),
                         kv_cache_gb=24 if DEVICE["name"] != "cpu" else 0.5,
                         prefix_caching=False, speculative=speculative,
@@ -133,7 +118,7 @@ def generate(engine: Engine, batch: list[list[int]], max_tokens: int, tag: str
 
 
 def verify_cost(target: LoadedModel, k: int) -> dict[str, float]:
-    engine = Engine(target.model, target.tokenizer, config(1, k))
+    engine = Engine(target.model, target.tokenizer, config(1, k, async_output=False))
     engine.governor = FORCED
     engine.add_request(EngineRequest("v", prompts(1, 512, 1)[0], SamplingParams(
         max_tokens=1500, temperature=0.0, ignore_eos=True)))
@@ -195,8 +180,10 @@ def draft_cost(target: LoadedModel, spec: str, k: int, max_tokens: int) -> dict[
            "target_ms_per_step": verify_s / max(stats.speculative_steps, 1) * 1e3,
            "acceptance": stats.accepted_tokens / max(stats.draft_tokens, 1),
            "tok_s_forced": max_tokens / spec_s}
-    # The governor, measuring: with random weights nothing is kept, so it picks plain steps.
+    # The governor, measuring: with random weights nothing is kept, so it picks plain steps
+    # (measured after a run that warmed it, as a worker's has been).
     engine.governor = SpeculationGovernor()
+    generate(engine, prompts(1, 128, 6), max_tokens, "gw")
     engine.reset_stats()
     governed_s, _ = generate(engine, prompts(1, 128, 5), max_tokens, "g")
     out["tok_s_governed"] = max_tokens / governed_s
@@ -205,31 +192,74 @@ def draft_cost(target: LoadedModel, spec: str, k: int, max_tokens: int) -> dict[
     return out
 
 
+def step_costs(engine: Engine, b: int, k: int) -> dict[str, float]:
+    """``b`` requests past 128-token prompts: the mean step time decoding, and verifying k
+    drafts each (drafts set by hand: the cost, whatever is kept)."""
+    params = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts(b, 128, 7000 + b)):
+        engine.add_request(EngineRequest(f"c{b}-{i}", ids, params))
+    engine.governor = PLAIN
+    while engine.num_running < b or engine.pending_prefill_tokens:
+        engine.step()
+
+    def steps(n: int, draft: bool) -> float:
+        engine.speculator = Fixed([7] * k if draft else [])  # type: ignore[assignment]
+        engine.governor = FORCED if draft else PLAIN
+        engine.step()
+        sync()
+        start = time.perf_counter()
+        for _ in range(n):
+            engine.step()
+        return (time.perf_counter() - start) / n
+
+    decode, verify = steps(20, False), steps(20, True)
+    for i in range(b):
+        engine.abort(f"c{b}-{i}")
+    while engine.has_unfinished():
+        engine.step()
+    return {"batch": b, "decode_step_ms": decode * 1e3, "verify_step_ms": verify * 1e3,
+            "ratio": verify / decode}
+
+
 def breakeven(target: LoadedModel, k: int, batches: list[int], max_tokens: int
-              ) -> list[dict[str, float]]:
+              ) -> dict[str, object]:
+    """Where speculation stops paying: per batch size the verify step's cost against the
+    decode step's; a verify step gives 1 + a k tokens at acceptance a, so with a free draft
+    it pays while the ratio is below that. Then the governor at each batch size with drafts
+    that are never kept (it should switch them off: tok/s near plain's), against plain
+    decoding and speculating in every step."""
     engine = Engine(target.model, target.tokenizer, config(max(batches), k))
     generate(engine, prompts(2, 128, 3), 16, "warm")
-    rows = []
+    costs = []
+    for b in batches:
+        costs.append(step_costs(engine, b, k))
+        print(json.dumps(costs[-1]), flush=True)
+    pays: dict[str, int | None] = {}
+    for a in (1.0, 0.8, 0.6):
+        past = [c["batch"] for c in costs if c["ratio"] > 1 + a * k]
+        pays[f"acceptance_{a}"] = min(past) if past else None  # first batch where it loses
+    governed = []
+    # One governor for the whole run, as a worker keeps its own; each size's measured burst
+    # comes after one that warmed it (a fresh governor first measures both ways).
+    learning = SpeculationGovernor()
     for b in batches:
         batch = prompts(b, 128, 100 + b)
-        engine.governor = PLAIN
-        plain_s, recorded = generate(engine, batch, max_tokens, f"b{b}-")
-        row: dict[str, float] = {"batch": b, "plain_tok_s": b * max_tokens / plain_s}
-        for mode, governor in (("forced", FORCED), ("governed", SpeculationGovernor())):
+        row: dict[str, float] = {"batch": b}
+        for mode, governor in (("plain", PLAIN), ("forced", FORCED), ("governed", learning)):
             engine.governor = governor
-            engine.speculator = Oracle(recorded, k)  # type: ignore[assignment]
+            engine.speculator = Fixed([7] * k)  # type: ignore[assignment]
+            if governor is learning:
+                generate(engine, prompts(b, 128, 200 + b), max_tokens, f"w{b}-")
             engine.reset_stats()
-            secs, _ = generate(engine, batch, max_tokens, f"b{b}-")
-            stats = engine.stats
+            secs, _ = generate(engine, batch, max_tokens, f"g{b}-{mode}-")
             row[f"{mode}_tok_s"] = b * max_tokens / secs
-            row[f"{mode}_acceptance"] = stats.accepted_tokens / max(stats.draft_tokens, 1)
-            row[f"{mode}_speculative_steps"] = stats.speculative_steps
-            row[f"{mode}_steps"] = stats.steps
-        row["forced_speedup"] = row["forced_tok_s"] / row["plain_tok_s"]
-        row["governed_speedup"] = row["governed_tok_s"] / row["plain_tok_s"]
+            row[f"{mode}_speculative_steps"] = engine.stats.speculative_steps
+            row[f"{mode}_steps"] = engine.stats.steps
+        row["governed_vs_plain"] = row["governed_tok_s"] / row["plain_tok_s"]
+        row["forced_vs_plain"] = row["forced_tok_s"] / row["plain_tok_s"]
         print(json.dumps(row), flush=True)
-        rows.append(row)
-    return rows
+        governed.append(row)
+    return {"step_costs": costs, "first_batch_not_paying": pays, "governor": governed}
 
 
 def main() -> None:

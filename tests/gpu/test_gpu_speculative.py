@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.gpu.test_gpu_engine import PROMPTS, default_model
+from tests.worker.speculative.test_speculative_engine import Alternating
 from tidegate.protocol import SamplingParams
 from worker.engine.engine import Engine, EngineConfig, EngineRequest
 from worker.models.loaders.loader import LoadedModel
@@ -27,12 +28,17 @@ def fp32() -> LoadedModel:
     return default_model("cuda", torch.float32)
 
 
-def generate(loaded: LoadedModel, speculative: str | None, *, seeded: bool = False
-             ) -> tuple[list[list[int]], Engine, dict[str, int]]:
+def generate(loaded: LoadedModel, speculative: str | None, *, seeded: bool = False,
+             overlapped: bool = False) -> tuple[list[list[int]], Engine, dict[str, int]]:
+    """``overlapped``: async output (a GPU worker's default), speculating every third step,
+    plain steps overlapped in between."""
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
         max_model_len=2048, max_num_seqs=8, kv_cache_gb=1.0, speculative=speculative,
-        speculative_max_batch=8 if speculative else None, async_output=False),
+        speculative_max_batch=8 if speculative else None,
+        async_output=None if overlapped else False),
         draft=loaded.model if speculative == "draft" else None)
+    if overlapped:
+        engine.governor = Alternating()  # type: ignore[assignment]
     calls = {"graph_steps": 0, "verify_graph_steps": 0}
     runner = engine.runner
     assert runner.graphs is not None
@@ -59,11 +65,12 @@ def generate(loaded: LoadedModel, speculative: str | None, *, seeded: bool = Fal
 
 
 @pytest.mark.parametrize("speculative", ["ngram", "draft"])
-@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(("seeded", "overlapped"), [(False, False), (True, False), (True, True)],
+                         ids=["greedy", "seeded", "seeded-overlapped"])
 def test_verify_chunks_replay_graphs_and_give_plain_tokens(
-        fp32: LoadedModel, speculative: str, seeded: bool) -> None:
+        fp32: LoadedModel, speculative: str, seeded: bool, overlapped: bool) -> None:
     plain, _, _ = generate(fp32, None, seeded=seeded)
-    spec, engine, calls = generate(fp32, speculative, seeded=seeded)
+    spec, engine, calls = generate(fp32, speculative, seeded=seeded, overlapped=overlapped)
     same = sum(a == b for p, s in zip(plain, spec, strict=True)
                for a, b in zip(p, s, strict=True))
     assert same >= 0.97 * NEW_TOKENS * len(plain), (plain, spec)

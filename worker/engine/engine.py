@@ -108,9 +108,11 @@ class EngineConfig:
     # Speculative decoding: "ngram" (prompt lookup: drafts are what followed the last tokens'
     # latest earlier occurrence), "draft" (a draft model, given to the engine), None: off.
     # Up to num_speculative_tokens drafts a step per request, verified in the step's one
-    # forward pass (worker.speculative). Steps are then read back before the next is
-    # launched (no async_output). speculative_max_batch: speculate in steps of at most this
-    # many running requests; None: wherever it measures faster (SpeculationGovernor).
+    # forward pass (worker.speculative); a step that speculates is read back before the
+    # next is launched (with async_output, the step in flight is read back first; steps that
+    # do not speculate overlap as usual). speculative_max_batch: speculate in steps of at
+    # most this many running requests; None: wherever it measures faster
+    # (SpeculationGovernor).
     speculative: str | None = None
     num_speculative_tokens: int = 4
     speculative_max_batch: int | None = None
@@ -121,8 +123,6 @@ class EngineConfig:
                              f"{self.speculative!r}")
         if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
             raise ValueError("speculative_max_batch must be at least 1")
-        if self.speculative and self.async_output:
-            raise ValueError("speculative decoding reads each step back (async_output off)")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         if self.max_loras < 0:
@@ -290,7 +290,7 @@ class Engine:
             runner if group is None else ParallelRunner(runner, group))
         self.stats = EngineStats()
         self.async_output = (config.async_output if config.async_output is not None
-                             else param.device.type == "cuda" and not config.speculative)
+                             else param.device.type == "cuda")
         if config.speculative and group is not None:
             raise ValueError("speculative decoding is not served by tensor- or pipeline-"
                              "parallel workers")
@@ -306,8 +306,6 @@ class Engine:
         self.verifier = DraftVerifier(runner.sampler)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.async_output)
-        if config.speculative and self.async_scheduling:
-            raise ValueError("speculative decoding reads each step back (async_scheduling off)")
         if self.async_scheduling and not self.async_output:
             raise ValueError("async_scheduling needs async_output")
         # Pipeline parallelism: one step in flight per stage, each of other requests
@@ -503,10 +501,10 @@ class Engine:
         self._aborted.clear()
         if self.pipeline_depth:
             return outputs + self._step_pipelined()
-        if self.async_output:
-            return outputs + self._step_overlapped()
         if self.speculator is not None:
             return outputs + self._step_governed()
+        if self.async_output:
+            return outputs + self._step_overlapped()
         return outputs + self._step_plain(self._schedule())
 
     def _schedule(self) -> SchedulerOutput:
@@ -528,11 +526,24 @@ class Engine:
 
     def _step_governed(self) -> list[RequestOutput]:
         """A step of a speculative engine: drafts proposed when the governor says speculation
-        pays at this batch size, and the step's speed reported back to it (decode steps
-        only: prompt chunks would blur the comparison)."""
+        pays at this batch size, and the step's speed reported back to it (steps with little
+        prompt work only, at most a token per running request: more would blur the
+        comparison). With async_output a step that does not speculate overlaps as usual; one
+        that does first reads back the step in flight (drafts follow the tokens the host
+        has)."""
         start = time.perf_counter()
         batch = len(self.scheduler.running)
         speculate = self.governor.speculate(batch)
+        if self.async_output and not speculate:
+            steady = self.pending_prefill_tokens <= batch
+            outputs = self._step_overlapped()
+            if steady and outputs:
+                self.governor.record(batch, False, sum(o.token_id is not None for o in outputs),
+                                     time.perf_counter() - start)
+            return outputs
+        drained = self._drain() if self.async_output else []
+        start = time.perf_counter()
+        batch = len(self.scheduler.running)
         if speculate:
             self.stats.speculative_steps += 1
             self._propose()
@@ -541,15 +552,28 @@ class Engine:
         for seq in self.scheduler.running:  # drafts of requests left out would go stale
             if seq.draft and id(seq) not in scheduled:
                 seq.draft.clear()
-        decoding = bool(sched.chunks) and all(c.samples and c.num_tokens == 1 + len(c.seq.draft)
-                                              for c in sched.chunks)
+        prompt_work = sum(c.num_tokens for c in sched.chunks
+                          if not (c.samples and c.num_tokens == 1 + len(c.seq.draft)))
+        decoding = bool(sched.chunks) and prompt_work <= batch
         verifying = any(c.samples and c.seq.draft for c in sched.chunks)
         outputs = self._step_speculative(sched) if verifying else self._step_plain(sched)
+        # Counted as the way chosen, drafts or not (no n-gram may match): with async_output,
+        # choosing to speculate costs the overlap even when nothing is drafted.
         if decoding and not sched.preempted:
-            # A step that drafted nothing (no n-gram matched) was a plain step.
             tokens = sum(1 for o in outputs if o.token_id is not None)
-            self.governor.record(batch, verifying, tokens, time.perf_counter() - start)
-        return outputs
+            self.governor.record(batch, speculate, tokens, time.perf_counter() - start)
+        return drained + outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        """Read back the step in flight (async_output) and build its outputs, launching none:
+        every token is then on the host, as drafting needs."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return []
+        sched, launched = inflight
+        self.scheduler.commit(sched)
+        self._count(sched)
+        return [self._emit(seq, sampled) for seq, sampled in self._read(sched, launched)]
 
     def _propose(self) -> None:
         """Draft tokens for each running request that decodes next and takes drafts: not

@@ -557,8 +557,6 @@ def engine_config(settings: Settings, max_model_len: int, max_loras: int) -> Eng
                      settings.speculative),
         num_speculative_tokens=settings.num_speculative_tokens,
         speculative_max_batch=settings.speculative_max_batch,
-        # Speculative steps are read back before the next is launched.
-        async_output=False if settings.speculative != "none" else None,
     )
 
 

@@ -7,7 +7,8 @@ engine down. Where that happens depends on the model, the device, how many draft
 keeps (the workload) and what the proposer costs, so the governor measures it instead of
 being told: for each class of batch size (powers of two) it keeps a moving average of output
 tokens per second of decode steps with and without speculation, runs the faster way, and every
-``explore_every``-th step of a class the other way, so a change of workload is noticed. A
+``explore_every``-th step of a class the other way (rarer, up to 8x, the further behind it
+measured), so a change of workload is noticed. A
 request's tokens are the same either way (greedy and seeded sampling alike,
 ``worker.speculative.draft_verifier``); only the speed depends on the choice.
 ``max_batch`` replaces the measurement with a fixed rule: speculate at batch sizes up to it.
@@ -65,7 +66,12 @@ class SpeculationGovernor:
         cls = self.batch_class(batch)
         self._decisions[cls] += 1
         best = spec.tokens_per_s >= plain.tokens_per_s
-        return best if self._decisions[cls] % self.explore_every else not best
+        # The further behind the other way measured, the rarer its check (up to 8x rarer):
+        # a check costs what the gap is.
+        gap = (max(spec.tokens_per_s, plain.tokens_per_s)
+               / max(min(spec.tokens_per_s, plain.tokens_per_s), 1e-9))
+        every = self.explore_every * min(8, max(1, int(gap)))
+        return best if self._decisions[cls] % every else not best
 
     def record(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
         """A decode step (no prompt chunks: they would blur the comparison) of ``batch``

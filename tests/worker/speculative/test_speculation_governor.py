@@ -24,11 +24,12 @@ def test_measures_both_ways_then_takes_the_faster_and_keeps_checking() -> None:
     chosen = drive(g, 1, 4 + 40, spec_speed=300, plain_speed=100)
     assert chosen[:4] == [True, True, False, False]  # warm-up: each way measured
     rest = chosen[4:]
-    assert rest.count(False) == 10 and rest.count(True) == 30  # one step in 4 checks plain
+    # Plain measured 3x slower: checked one step in 4 x 3.
+    assert rest.count(False) == 3 and rest.count(True) == 37
     assert g.switched_off() == []
     # At batch 32 plain is faster: speculation switches off there, and stays on at 1.
     chosen = drive(g, 32, 4 + 40, spec_speed=900, plain_speed=1000)
-    assert chosen[4:].count(True) == 10
+    assert chosen[4:].count(True) == 10  # close behind: checked one step in 4
     assert g.switched_off() == [32]
     assert g.speculate(1)
 
@@ -46,10 +47,10 @@ def test_a_workload_change_is_noticed() -> None:
     """Plain wins while drafts are rejected; once they are kept, the checks find it."""
     g = SpeculationGovernor(warmup=2, explore_every=4, smoothing=0.5)
     chosen = drive(g, 2, 20, spec_speed=50, plain_speed=100)
-    assert chosen[-8:].count(True) == 2  # plain, bar the checks
+    assert chosen[-8:].count(True) == 1  # plain, bar a check (one in 4 x 2)
     assert g.switched_off() == [2]
     chosen = drive(g, 2, 40, spec_speed=400, plain_speed=100)
-    assert chosen[-8:].count(True) == 6  # speculating again, bar the checks
+    assert chosen[-8:].count(True) >= 7  # speculating again, bar a check
     assert g.switched_off() == []
 
 

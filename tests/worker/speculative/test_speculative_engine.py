@@ -252,11 +252,48 @@ def test_speculation_switches_off_past_the_max_batch(tiny: LoadedModel) -> None:
     assert sum(drafted for batch, drafted in seen if batch <= 2) > 0
 
 
-def test_speculation_needs_steps_read_back() -> None:
-    with pytest.raises(ValueError, match="async_output"):
-        EngineConfig(max_model_len=64, speculative="ngram", async_output=True)
-    with pytest.raises(ValueError, match="ngram"):
+def test_an_unknown_proposer_is_refused() -> None:
+    with pytest.raises(ValueError, match="ngram, draft"):
         EngineConfig(max_model_len=64, speculative="eagle")
+    with pytest.raises(ValueError, match="speculative_max_batch"):
+        EngineConfig(max_model_len=64, speculative="ngram", speculative_max_batch=0)
+
+
+class Alternating:
+    """A governor that speculates every third step: the engine switches between overlapped
+    plain steps (two in a row, so the second is launched ahead) and speculative ones all the
+    time."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def speculate(self, batch: int) -> bool:
+        self.calls += 1
+        return self.calls % 3 == 0
+
+    def record(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("scheduling", [False, True], ids=["async-output", "async-scheduling"])
+@pytest.mark.parametrize("proposer", ["ngram", "draft-same"])
+def test_overlapped_plain_steps_and_speculative_steps_mix(
+        tiny: LoadedModel, proposer: str, scheduling: bool) -> None:
+    """With async_output (a GPU worker's default) a step that speculates reads the step in
+    flight back first, and plain steps overlap as usual: greedy and seeded tokens stay plain
+    decoding's, through every switch."""
+    reqs = [EngineRequest(f"r{i}", repetitive(i), SamplingParams(
+        max_tokens=30 + 5 * i, ignore_eos=True, temperature=0.7 if i % 2 else 0.0, seed=i))
+        for i in range(5)]
+    reqs.append(EngineRequest("stop", repetitive(2), SamplingParams(
+        max_tokens=40, stop_token_ids=[repetitive(2)[3]])))
+    plain = summary(run(Engine(tiny.model, tiny.tokenizer, EngineConfig(
+        max_model_len=1024, num_blocks=256)), reqs))
+    engine = speculative(tiny, proposer, async_output=True, async_scheduling=scheduling)
+    engine.governor = Alternating()  # type: ignore[assignment]
+    assert summary(run(engine, reqs)) == plain
+    assert engine.stats.accepted_tokens > 0 and engine.stats.verify_chunks > 0
+    assert engine.stats.scheduled_ahead > 0 or not scheduling
 
 
 @pytest.mark.parametrize("proposer", ["draft-same", "draft-other"])
