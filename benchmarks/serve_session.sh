@@ -22,8 +22,10 @@ name=${1:?a name for this run}
 shift
 exec > >(tee -a "$OUT/session.log") 2>&1
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
+if compgen -G ".whl/*.whl" >/dev/null; then  # else installed by an earlier call (warm machine)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TIDEGATE_KERNEL_CACHE=/tmp/tidegate-kernels
 ulimit -n 65536 2>/dev/null || ulimit -n 8192
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
