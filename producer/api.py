@@ -150,7 +150,7 @@ class ProducerAPI:
         rate-limit refusals by tenant id (no key: scrapers hold none; nothing here names a
         job)."""
         return await metrics_response(self.path.redis, self.settings.lane_partitions,
-                                      collectors=[self.path.limiter],
+                                      collectors=[self.path.limiter, self.path.routing],
                                       models=self.path.catalog.names)
 
     def _stream_url(self, request: Request, job_id: str) -> str:

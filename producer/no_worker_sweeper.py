@@ -3,7 +3,8 @@
 A worker rejects a job whose deadline passed when it reads it; a model with no live worker has
 nobody to read its lanes, so the API does it. Every second, for each served model with no live
 worker heartbeat naming it, the sweeper reads the entries its workers' consumer group has not
-read yet (the whole stream if no worker ever joined), and for each whose deadline passed it
+read yet on its lanes and on its departed workers' own streams (prefix routing; the whole
+stream if no worker ever joined), and for each whose deadline passed it
 rejects the job (only if still queued: one script, ``jobstore.reject_queued``) and deletes the
 entry. Every API process runs one; they race harmlessly: the script rejects a job once, and a
 worker that claims the job first wins (a rejected job a worker reads later is acked unrun).
@@ -73,10 +74,12 @@ class NoWorkerSweeper:
         for model in self.models:
             if model in served:
                 continue
-            for lane in keys.LANES:
-                for partition in range(self.partitions):
-                    rejected += await self._sweep_stream(
-                        model, keys.lane_stream(model, lane, partition))
+            streams = [keys.lane_stream(model, lane, partition)
+                       for lane in keys.LANES for partition in range(self.partitions)]
+            # Jobs routed to workers of the model that are all gone since (prefix routing).
+            streams += sorted(await self.redis.smembers(keys.routed_streams(model)))
+            for stream in streams:
+                rejected += await self._sweep_stream(model, stream)
         return rejected
 
     async def _sweep_stream(self, model: str, stream: str) -> int:

@@ -34,9 +34,12 @@ class Claim:
 JOB_FIELD = "job"  # the one field of a lane stream entry: the Job's JSON
 
 
-# KEYS: job hash, job events, lane stream. ARGV: job JSON, queued event JSON, ttl_s, the lane's
-# MAXLEN, then field/value pairs for the job hash (owner, stream_token_hash). Returns 1, or 0
-# when the job already has a record: its first enqueue wrote the record and the lane entry
+# KEYS: job hash, job events, lane stream, and optionally a worker's routed stream. ARGV: job
+# JSON, queued event JSON, ttl_s, the lane's MAXLEN, then field/value pairs for the job hash
+# (owner, stream_token_hash). The entry goes to the routed stream if it exists (its worker
+# made it with its consumer group; an empty stream of a worker long gone is deleted, and a
+# job routed there by a stale view falls back to the lane). Returns 1 (lane) or 2 (routed),
+# or 0 when the job already has a record: its first enqueue wrote the record and the lane entry
 # together, so a repeat (a retry after a lost reply, a batch step run again) queues nothing.
 # The queued event is the job's event 1, stored as entry 1-0 (event n is entry n-0), and is
 # written first: an events stream that somehow exists without its hash fails the script before
@@ -52,6 +55,10 @@ redis.call('XADD', KEYS[2], '1-0', 'e', ARGV[2])
 redis.call('HSET', KEYS[1], 'job', ARGV[1], 'status', 'queued', unpack(ARGV, 5))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
+if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'job', ARGV[1])
+  return 2
+end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'job', ARGV[1])
 return 1
 """
@@ -61,7 +68,8 @@ _ENQUEUE_SHA = hashlib.sha1(_ENQUEUE_LUA.encode()).hexdigest()
 async def enqueue(
     redis: aioredis.Redis, job: Job, *, partition: int = 0, ttl_s: int = keys.JOB_TTL_S,
     owner: str | None = None, stream_token_hash: str | None = None,
-) -> bool:
+    routed_to: str | None = None,
+) -> int:
     """Record the job and its ``queued`` event, then put it on its lane stream: one script,
     one round trip. False if the job id already had a record (nothing is written again).
 
@@ -69,7 +77,11 @@ async def enqueue(
     has its record; the lane stream lives in another slot and is written last (see the Cluster
     note above the script). ``owner`` (the submitting tenant) and ``stream_token_hash`` go
     into the job hash with the rest; the hash and the lane entry carry the same job JSON,
-    encoded once.
+    encoded once. ``routed_to``: the worker whose routed stream should take the entry
+    (``producer.submit.prefix_router``); the lane takes it if that stream is gone.
+
+    Returns 1 (queued on the lane), 2 (on the worker's routed stream), or 0 (the job id
+    already had a record: nothing written).
     """
     raw = job.model_dump_json()
     queued = QueuedEvent(id=1, job_id=job.id, lane=job.lane).model_dump_json()
@@ -78,13 +90,16 @@ async def enqueue(
         args += ["owner", owner]
     if stream_token_hash is not None:
         args += ["stream_token_hash", stream_token_hash]
-    names = (keys.job_hash(job.id), keys.job_events(job.id), keys.lane_stream(job.model, job.lane, partition))
+    names = [keys.job_hash(job.id), keys.job_events(job.id),
+             keys.lane_stream(job.model, job.lane, partition)]
+    if routed_to is not None:
+        names.append(keys.routed_stream(job.model, job.lane, routed_to))
     try:
-        done = await redis.evalsha(_ENQUEUE_SHA, 3, *names, *args)
+        done = await redis.evalsha(_ENQUEUE_SHA, len(names), *names, *args)
     except NoScriptError:  # a fresh (or flushed) Redis: load it once, then as before
         await redis.script_load(_ENQUEUE_LUA)
-        done = await redis.evalsha(_ENQUEUE_SHA, 3, *names, *args)
-    return bool(done)
+        done = await redis.evalsha(_ENQUEUE_SHA, len(names), *names, *args)
+    return int(done)
 
 
 async def read_result(redis: aioredis.Redis, job_id: str) -> JobResult | None:

@@ -62,6 +62,41 @@ def parse_lane_stream(stream: str) -> tuple[str, str, int] | None:
     return parts[0], parts[1], int(parts[2])
 
 
+def routed_stream(model: str, lane: str, worker_id: str) -> str:
+    """A worker's own job stream of one model's lane: the API puts a job there when that
+    worker's prefix cache most likely holds the job's prompt (``tidegate.routing``). The
+    worker reads it first; after a delay any worker of the model takes what still waits."""
+    return f"{PREFIX}:routed:{{{model}.{lane}.{worker_id}}}"
+
+
+def routed_stream_lane(model: str, stream: str) -> tuple[str, str] | None:
+    """(lane, worker id) of one of ``model``'s ``routed_stream`` names; None for anything
+    else (worker ids and model names may hold dots: the model is known, the lane follows)."""
+    head = f"{PREFIX}:routed:{{{model}."
+    if not (stream.startswith(head) and stream.endswith("}")):
+        return None
+    lane, _, worker_id = stream[len(head):-1].partition(".")
+    return (lane, worker_id) if lane in LANES and worker_id else None
+
+
+def routed_streams(model: str) -> str:
+    """Set: every routed stream of the model's workers, the dead ones' included until they are
+    empty, so nothing queued there is forgotten (workers add their own at start)."""
+    return f"{PREFIX}:routed-streams:{{{model}}}"
+
+
+def routing_table(model: str) -> str:
+    """Hash: worker id -> JSON of its latest cache announcement (``tidegate.routing.
+    cache_announcement``): load, seats, block size, when it expires. Fields long expired are
+    removed by the model's workers."""
+    return f"{PREFIX}:routing:{{{model}}}"
+
+
+def prefix_cache(worker_id: str) -> str:
+    """A worker's announced prefix-cache block hashes (packed, base64), expiring with it."""
+    return f"{PREFIX}:prefix-cache:{{{worker_id}}}"
+
+
 def adapters(model: str) -> str:
     """Hash: adapter name -> JSON {"path", "added_ms"}: the model's durable adapter registry.
     Workers load every adapter in it at start; ``POST /v1/adapters`` and ``--lora`` add to it."""

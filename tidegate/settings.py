@@ -91,6 +91,13 @@ class Settings(BaseSettings):
     # Base URL clients stream from (ws:// or wss://); None: the API's own address, ws scheme.
     gateway_url: str | None = None
     lane_partitions: int = Field(default=1, ge=1)
+    # Prefix-aware routing (tidegate.routing): workers announce their prefix caches, the API
+    # sends each job to the worker holding most of its prompt, on that worker's own stream;
+    # what waited there steal_delay_ms is taken by any idle worker of the model. False on the
+    # API: every job to the shared lanes; on a worker: it announces nothing and reads no stream
+    # of its own (it still takes others' waiting jobs).
+    prefix_routing: bool = True
+    steal_delay_ms: int = Field(default=200, ge=0, le=60_000)
     # A worker writes its events at most this often (0: as soon as the previous write landed);
     # a job's start, first token and end go at once regardless. Tokens a job generated
     # meanwhile leave as one event: fewer, larger writes and frames. 10 ms is below what a

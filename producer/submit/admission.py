@@ -66,12 +66,14 @@ class Admission:
         """
         return self.admit(request)[0]
 
-    def admit(self, request: JobRequest) -> tuple[JobRequest, int]:
-        """``check``, with the prompt's token count (what the rate limiter charges). A forced
-        tool call (``tool_choice`` required or named) comes back as the job's grammar."""
+    def admit(self, request: JobRequest) -> tuple[JobRequest, list[int]]:
+        """``check``, with the prompt's token ids (the rate limiter charges their count;
+        prefix routing hashes them). A forced tool call (``tool_choice`` required or named)
+        comes back as the job's grammar."""
         request = self._checked_tools(request)
         self._check_logit_bias(request)
-        prompt_tokens = self.count_prompt_tokens(request)
+        prompt_ids = self.prompt_ids(request)
+        prompt_tokens = len(prompt_ids)
         field = "prompt" if request.prompt is not None else "messages"
         if prompt_tokens >= self.max_context:
             raise AdmissionError(
@@ -83,8 +85,8 @@ class Admission:
         if "max_tokens" not in request.model_fields_set:
             if request.max_tokens > min(room, self.max_output_tokens):
                 return request.model_copy(
-                    update={"max_tokens": min(room, self.max_output_tokens)}), prompt_tokens
-            return request, prompt_tokens
+                    update={"max_tokens": min(room, self.max_output_tokens)}), prompt_ids
+            return request, prompt_ids
         if request.max_tokens > self.max_output_tokens:
             raise AdmissionError(
                 "max_tokens",
@@ -98,7 +100,7 @@ class Admission:
                 f"prompt ({prompt_tokens} tokens) + max_tokens ({request.max_tokens}) exceeds "
                 f"the model's context of {self.max_context} tokens; at most {room} fit",
             )
-        return request, prompt_tokens
+        return request, prompt_ids
 
     def _checked_tools(self, request: JobRequest) -> JobRequest:
         if not request.rendered_tools():
@@ -137,8 +139,12 @@ class Admission:
 
     def count_prompt_tokens(self, request: JobRequest) -> int:
         """Tokens of the prompt as the worker will see it (chat messages rendered)."""
+        return len(self.prompt_ids(request))
+
+    def prompt_ids(self, request: JobRequest) -> list[int]:
+        """The prompt's token ids as the worker will see them (chat messages rendered)."""
         try:
-            return len(self.tokenizer.encode_prompt(request.prompt, request.messages,
-                                                    request.rendered_tools()))
+            return self.tokenizer.encode_prompt(request.prompt, request.messages,
+                                                request.rendered_tools())
         except ChatTemplateError as exc:  # e.g. a template that insists roles alternate
             raise AdmissionError("messages", str(exc), type="invalid_request") from exc

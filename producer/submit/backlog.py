@@ -1,8 +1,9 @@
 """Producer-side backpressure: refuse a submit while its model's lane backlog is over the limit.
 
 Each model has its own lanes (``keys.lane_stream``), so one model's backlog never refuses
-another's jobs. A lane's backlog is, summed over its partitions, what the workers' consumer group has not
-read yet (``lag``) plus what it read but has not acknowledged (``pending``). Readings are
+another's jobs. A lane's backlog is, summed over its partitions and its workers' routed streams
+(prefix routing), what the workers' consumer group has not read yet (``lag``) plus what it read
+but has not acknowledged (``pending``). Readings are
 cached per (model, lane) for ``cache_s`` (and counted up by this process's own submits meanwhile), so a
 burst of submits costs one XINFO per lane per interval.
 """
@@ -74,6 +75,9 @@ class LaneBacklog:
             reading = self._readings.get((model, lane))
             if reading is None or reading.expires_at <= time.monotonic():
                 streams = [keys.lane_stream(model, lane, p) for p in range(self.partitions)]
+                # Prefix routing's workers' own streams hold part of the lane's backlog.
+                streams += sorted(s for s in await redis.smembers(keys.routed_streams(model))
+                                  if (keys.routed_stream_lane(model, s) or ("",))[0] == lane)
                 total = sum([await self._stream_backlog(redis, s) for s in streams])
                 reading = _Reading(total, time.monotonic() + self.cache_s)
                 self._readings[(model, lane)] = reading

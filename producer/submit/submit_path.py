@@ -28,6 +28,7 @@ from producer.submit.admission import Admission, AdmissionError
 from producer.submit.backlog import LaneBacklog
 from producer.submit.batched import Batched
 from producer.submit.idempotency import Claim, ClaimInProgress
+from producer.submit.prefix_routing import PrefixRouting
 from producer.submit.rate_limit import RateLimiter
 from producer.submit.refusal import Refusal, validated
 from tidegate.adapter_registry import AdapterRegistry
@@ -67,6 +68,7 @@ class SubmitPath:
         self._backlog = LaneBacklog(max_backlog=settings.max_backlog,
                                     partitions=settings.lane_partitions,
                                     retry_after_s=settings.retry_after_s)
+        self.routing = PrefixRouting(self.catalog.names, enabled=settings.prefix_routing)
         self._redis: aioredis.Redis | None = None
         self._batched: Batched | None = None  # the client for the submit path's commands
         self._hub: EventHub | None = None
@@ -84,8 +86,10 @@ class SubmitPath:
         self._hub = EventHub(self._redis, queue_size=self.settings.watcher_queue_size,
                              backlog_bytes=self.settings.watcher_backlog_bytes)
         await self._hub.start()
+        self.routing.start(self._redis)
 
     async def stop(self) -> None:
+        await self.routing.stop()
         if self._batched is not None:
             await self._batched.close()
             self._batched = None
@@ -162,7 +166,7 @@ class SubmitPath:
         redis = self._submit_redis()
         if key is not None and (earlier := await idempotency.replay(redis, tenant, key)):
             return earlier.claim, earlier.status, 200
-        job = await self._admitted_job(job_request, tenant, rate_headers)
+        job, prompt_ids = await self._admitted_job(job_request, tenant, rate_headers)
         claim = Claim(job_id=job.id, stream_token=new_stream_token(), created_ms=job.created_ms)
         if key is not None and not await idempotency.claim(
                 redis, tenant, key, claim, ttl_s=self.settings.idempotency_ttl_s):
@@ -171,7 +175,8 @@ class SubmitPath:
                 raise ClaimInProgress("a submit with this idempotency key failed just now; retry")
             return twin.claim, twin.status, 200
         try:
-            await self._enqueue(job, tenant=tenant, stream_token=claim.stream_token)
+            await self._enqueue(job, prompt_ids, tenant=tenant,
+                                stream_token=claim.stream_token)
         except BaseException:  # whatever failed (a cancel included), a retry may enqueue it
             if key is not None:
                 with contextlib.suppress(RedisError):
@@ -185,36 +190,43 @@ class SubmitPath:
         limits and enqueue its job. Raises ``Refusal`` (admission, ``RateLimited``),
         ``LaneFull`` or ``RedisError``. ``rate_headers`` receives the ``x-ratelimit-*``
         headers for the answer."""
-        job = await self._admitted_job(job_request, tenant, rate_headers)
-        await self._enqueue(job, tenant=tenant)
+        job, prompt_ids = await self._admitted_job(job_request, tenant, rate_headers)
+        await self._enqueue(job, prompt_ids, tenant=tenant)
         return job
 
     async def _admitted_job(self, job_request: JobRequest, tenant: str,
-                            rate_headers: dict[str, str] | None) -> Job:
-        """The job to enqueue, once admission, the lane's backlog and the tenant's rate limits
-        allow it (charged last: a submit refused for any other reason costs nothing)."""
+                            rate_headers: dict[str, str] | None) -> tuple[Job, list[int]]:
+        """The job to enqueue and its prompt's token ids, once admission, the lane's backlog
+        and the tenant's rate limits allow it (charged last: a submit refused for any other
+        reason costs nothing)."""
         choice = await self.choose(job_request.model, job_request.lora)
         model = choice.model.name
-        job_request, prompt_tokens = await self._admit(job_request, model)
+        job_request, prompt_ids = await self._admit(job_request, model)
         await self._backlog.check(self.redis, model, job_request.lane)
         rate = await self.limiter.charge(self._submit_redis(), tenant,
-                                         prompt_tokens=prompt_tokens,
+                                         prompt_tokens=len(prompt_ids),
                                          max_tokens=job_request.max_tokens)
         if rate is not None and rate_headers is not None:
             rate_headers.update(rate.headers())
-        return job_request.to_job(model=model, adapter=choice.adapter,
-                                  default_timeout_s=self.settings.default_timeout_s)
+        job = job_request.to_job(model=model, adapter=choice.adapter,
+                                 default_timeout_s=self.settings.default_timeout_s)
+        return job, prompt_ids
 
-    async def _enqueue(self, job: Job, *, tenant: str, stream_token: str | None = None) -> None:
+    async def _enqueue(self, job: Job, prompt_ids: list[int], *, tenant: str,
+                       stream_token: str | None = None) -> None:
         hashed = token_hash(stream_token) if stream_token is not None else None
+        route = self.routing.route(job.model, prompt_ids, job.adapter)
         # A fresh job id (uuid4) has no record yet, so this always enqueues. Batched stands in
         # for the client: enqueue sends one EVALSHA (or SCRIPT LOAD first, straight through).
-        await enqueue(self._submit_redis(), job,  # type: ignore[arg-type]
-                      ttl_s=self.settings.job_ttl_s, owner=tenant, stream_token_hash=hashed)
+        where = await enqueue(self._submit_redis(), job,  # type: ignore[arg-type]
+                              ttl_s=self.settings.job_ttl_s, owner=tenant,
+                              stream_token_hash=hashed, routed_to=route.worker_id)
+        if route.worker_id is not None and where == 1:
+            self.routing.fell_back(job.model, route)
         self._backlog.note_enqueued(job.model, job.lane)
 
-    async def _admit(self, job_request: JobRequest, model: str) -> tuple[JobRequest, int]:
-        """The request as ``model`` admits it, and its prompt's token count."""
+    async def _admit(self, job_request: JobRequest, model: str) -> tuple[JobRequest, list[int]]:
+        """The request as ``model`` admits it, and its prompt's token ids."""
         admission = self.admission_for(model)
         try:
             if admission.is_quick(job_request):

@@ -425,7 +425,9 @@
     const models = new Set(lanes.map((l) => l.model)).size > 1;
     el.lanes.replaceChildren(...(lanes.length ? lanes.map((l) => {
       const tr = document.createElement("tr");
-      const lane = partitioned ? `${l.lane}/${l.partition}` : l.lane;
+      // partition -1: the lane's jobs waiting on workers' own streams (prefix routing)
+      const lane = l.partition < 0 ? `${l.lane} (routed)`
+        : partitioned ? `${l.lane}/${l.partition}` : l.lane;
       tr.append(
         cell(models ? `${l.model} ${lane}` : lane, l.stream),
         cell(String(l.lag)), cell(String(l.pending)), cell(seconds(l.oldest_waiting_s)));

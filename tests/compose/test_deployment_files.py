@@ -209,15 +209,22 @@ def test_keda_scales_each_model_s_workers_on_its_real_streams_and_group() -> Non
         target = deployments[doc["spec"]["scaleTargetRef"]["name"]]
         [container] = target["spec"]["template"]["spec"]["containers"]
         [model] = served_models(Settings(models=[option(container["args"], "--model")]))
-        streams = set()
+        streams, routed = set(), set()
         for trigger in doc["spec"]["triggers"]:
             meta = trigger["metadata"]
+            if trigger["type"] == "prometheus":  # the lanes' jobs on workers' routed streams
+                assert float(meta["threshold"]) >= 1
+                routed.add(meta["query"].strip())
+                continue
             assert trigger["type"] == "redis-streams"
             assert meta["consumerGroup"] == keys.CONSUMER_GROUP
             assert int(meta["lagCount"]) >= 1 and int(meta["activationLagCount"]) >= 1
             assert meta["addressFromEnv"] in OTHER_ENV
             streams.add(meta["stream"])
         assert streams == {keys.lane_stream(model.name, lane, 0) for lane in keys.LANES}
+        # The label the API's /metrics gives the summed routed streams (operator_routes.py).
+        assert routed == {f'max(tidegate_queue_lag{{model="{model.name}",lane="{lane}",'
+                          f'partition="routed"}})' for lane in keys.LANES}
         covered.add(model.name)
     assert covered == served
     ttft = yaml.safe_load((COMPOSE / "k8s" / "keda-scaledobject-ttft.yaml").read_text())

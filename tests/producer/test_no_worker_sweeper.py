@@ -91,3 +91,15 @@ async def test_a_job_a_worker_already_claimed_is_not_rejected(aredis: aioredis.R
     await aredis.hset(keys.job_hash(late), "status", "running")  # claimed, entry not yet read
     assert await NoWorkerSweeper(aredis, ["orphan"]).sweep() == 0
     assert await aredis.xlen(keys.lane_stream("orphan", "interactive")) == 1
+
+
+async def test_jobs_routed_to_workers_all_gone_since_are_swept(aredis: aioredis.Redis) -> None:
+    stream = keys.routed_stream("orphan", "interactive", "gone")
+    await aredis.xgroup_create(stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
+    await aredis.sadd(keys.routed_streams("orphan"), stream)
+    job = JobRequest(prompt="hi", deadline_ms=now_ms() - 1000).to_job(
+        model="orphan", default_timeout_s=60)
+    assert await enqueue(aredis, job, routed_to="gone") == 2
+    assert await NoWorkerSweeper(aredis, ["orphan"]).sweep() == 1
+    assert (await read_result(aredis, job.id)).status == "rejected"  # type: ignore[union-attr]
+    assert await aredis.xlen(stream) == 0

@@ -402,7 +402,8 @@ async def test_queue_view_counts_waiting_jobs_and_live_workers(
     assert lanes["batch"]["lag"] == 0 and lanes["batch"]["oldest_waiting_s"] is None
     assert body["workers"] == [{"worker_id": "w-1", "running": 2, "waiting": 1,
                                 "tokens_per_s": 41.5, "kv_usage": 0.25,
-                                "model": "random_tiny", "adapters": ["a1"]}]
+                                "model": "random_tiny", "adapters": ["a1"],
+                                "prefix_hit_rate": 0.0}]
     assert (body["running"], body["tokens_per_s"]) == (2, 41.5)
 
 

@@ -42,7 +42,8 @@ def _settings(args: argparse.Namespace):  # -> Settings
               "kv_cache_gb", "kv_cache_dtype", "cuda_graphs", "weights", "quantize",
               "cpu_activations", "host", "port", "log_level", "models_file", "max_loras",
               "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size", "speculative",
-              "num_speculative_tokens", "speculative_max_batch")
+              "num_speculative_tokens", "speculative_max_batch", "prefix_routing",
+              "steal_delay_ms")
     overrides = {f: getattr(args, f, None) for f in fields}
     # --model (repeatable) and --lora (repeatable): lists, None when not given.
     overrides["models"] = getattr(args, "model", None) or None
@@ -369,6 +370,14 @@ def _add_common(p: argparse.ArgumentParser, *, model: bool = True, serve: bool =
     p.add_argument("--redis-url", help="Redis URL (env TIDEGATE_REDIS_URL or REDIS_URL)")
     if model:
         _add_models(p)
+        p.add_argument("--prefix-routing", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="send each job to the worker whose prefix cache holds most of its "
+                            "prompt (API), announce the cache and read a stream of its own "
+                            "(worker); default on (env TIDEGATE_PREFIX_ROUTING)")
+        p.add_argument("--steal-delay-ms", type=int, metavar="MS",
+                       help="a worker with a free seat takes jobs that waited this long on "
+                            "another worker's stream (default 200)")
     if serve:
         p.add_argument("--host", help="bind address (default 127.0.0.1)")
         p.add_argument("--port", type=int, help="port (default 8000)")
@@ -562,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_queue_stats(args: argparse.Namespace) -> int:
     from redis.exceptions import RedisError
 
-    from tidegate.operations.queue_stats import queue_stats
+    from tidegate.operations.queue_stats import ROUTED, queue_stats
     from tidegate.redis_conn import connect
 
     settings = _settings(args)
@@ -590,7 +599,8 @@ def cmd_queue_stats(args: argparse.Namespace) -> int:
           f"{'consumers':>9}  oldest waiting")
     for lane in stats["lanes"]:
         oldest = lane["oldest_waiting_s"]
-        print(f"{lane['model']:<{width}} {lane['lane']:<12} {lane['partition']:>4} "
+        part = "rtd" if lane["partition"] == ROUTED else lane["partition"]
+        print(f"{lane['model']:<{width}} {lane['lane']:<12} {part:>4} "
               f"{lane['length']:>7} {lane['lag']:>6} {lane['pending']:>7} "
               f"{lane['consumers']:>9}  {'-' if oldest is None else f'{oldest:.1f} s'}")
     workers = stats["workers"]
@@ -598,11 +608,11 @@ def cmd_queue_stats(args: argparse.Namespace) -> int:
           f"{WORKER_HEARTBEAT_TTL_S} s)")
     if workers:
         print(f"{'worker':<28} {'model':<{width}} {'running':>7} {'waiting':>7} {'tok/s':>8} "
-              f"{'KV used':>8}  adapters")
+              f"{'KV used':>8} {'prefix hits':>11}  adapters")
         for w in workers:
             print(f"{w['worker_id']:<28} {w['model'] or '-':<{width}} {w['running']:>7} "
-                  f"{w['waiting']:>7} {w['tokens_per_s']:>8.1f} {100 * w['kv_usage']:>7.0f}%  "
-                  f"{', '.join(w['adapters']) or '-'}")
+                  f"{w['waiting']:>7} {w['tokens_per_s']:>8.1f} {100 * w['kv_usage']:>7.0f}% "
+                  f"{100 * w['prefix_hit_rate']:>10.0f}%  {', '.join(w['adapters']) or '-'}")
     print(f"total: {stats['running']} running, {stats['tokens_per_s']} tok/s "
           f"(at {time.strftime('%H:%M:%S', time.localtime(now_ms / 1000))})")
     return 0

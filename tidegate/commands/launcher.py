@@ -162,6 +162,8 @@ def _spawn_worker(settings: Settings) -> subprocess.Popen:
     env["TIDEGATE_NUM_SPECULATIVE_TOKENS"] = str(settings.num_speculative_tokens)
     if settings.speculative_max_batch is not None:
         env["TIDEGATE_SPECULATIVE_MAX_BATCH"] = str(settings.speculative_max_batch)
+    env["TIDEGATE_PREFIX_ROUTING"] = str(settings.prefix_routing).lower()
+    env["TIDEGATE_STEAL_DELAY_MS"] = str(settings.steal_delay_ms)
     return subprocess.Popen([sys.executable, "-m", "tidegate", "worker"], env=env)
 
 

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 from starlette.responses import JSONResponse, Response
 
-from tidegate.operations.queue_stats import queue_stats
+from tidegate.operations.queue_stats import ROUTED, queue_stats
 
 LANE_LABELS = ("model", "lane", "partition")
 # A probe or scrape must answer promptly even while the client's retries wait out an outage.
@@ -61,7 +61,8 @@ async def metrics_response(redis: aioredis.Redis, partitions: int,
                        "Age of the oldest job no worker has read (0 when none waits).",
                        LANE_LABELS, registry=registry)
         for lane in stats.lanes:
-            labels = {"model": lane.model, "lane": lane.lane, "partition": str(lane.partition)}
+            partition = "routed" if lane.partition == ROUTED else str(lane.partition)
+            labels = {"model": lane.model, "lane": lane.lane, "partition": partition}
             for field, gauge in gauges.items():
                 gauge.labels(**labels).set(getattr(lane, field))
             oldest.labels(**labels).set(lane.oldest_waiting_s or 0.0)

@@ -20,12 +20,15 @@ from redis.exceptions import ResponseError
 
 from tidegate import keys
 
+# The ``partition`` of the LaneStats summing a lane's routed streams (prefix routing).
+ROUTED = -1
+
 
 @dataclass(frozen=True, slots=True)
 class LaneStats:
     model: str
     lane: str
-    partition: int
+    partition: int  # ROUTED: the sum over the workers' routed streams of the lane
     stream: str
     length: int  # entries in the stream, acknowledged ones included until it is trimmed
     lag: int  # not yet read by any worker
@@ -43,6 +46,7 @@ class WorkerStats:
     kv_usage: float  # fraction of KV blocks in use
     model: str | None = None  # the served model's name (None: a worker from before models)
     adapters: tuple[str, ...] = ()  # the adapters it can run
+    prefix_hit_rate: float = 0.0  # prompt tokens found in its prefix cache, since it started
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +77,33 @@ def _entry_ms(entry_id: str | bytes) -> int:
 
 async def lane_stats(redis: aioredis.Redis, model: str, lane: str,
                      partition: int = 0) -> LaneStats:
-    stream = keys.lane_stream(model, lane, partition)
+    return await _stream_stats(redis, model, lane, partition,
+                               keys.lane_stream(model, lane, partition))
+
+
+async def routed_stats(redis: aioredis.Redis, model: str) -> list[LaneStats]:
+    """Per lane, the sum over the workers' routed streams (none: routing never used)."""
+    by_lane: dict[str, list[str]] = {}
+    for stream in await redis.smembers(keys.routed_streams(model)):
+        parts = keys.routed_stream_lane(model, stream)
+        if parts is not None:
+            by_lane.setdefault(parts[0], []).append(stream)
+    out = []
+    for lane in keys.LANES:
+        parts = [await _stream_stats(redis, model, lane, ROUTED, s)
+                 for s in sorted(by_lane.get(lane, []))]
+        if parts:
+            waiting = [p.oldest_waiting_s for p in parts if p.oldest_waiting_s is not None]
+            out.append(LaneStats(
+                model, lane, ROUTED, keys.routed_stream(model, lane, "*"),
+                sum(p.length for p in parts), sum(p.lag for p in parts),
+                sum(p.pending for p in parts), sum(p.consumers for p in parts),
+                max(waiting) if waiting else None))
+    return out
+
+
+async def _stream_stats(redis: aioredis.Redis, model: str, lane: str, partition: int,
+                        stream: str) -> LaneStats:
     length = int(await redis.xlen(stream))
     try:
         groups = await redis.xinfo_groups(stream)
@@ -123,7 +153,8 @@ async def worker_stats(redis: aioredis.Redis) -> list[WorkerStats]:
             kv_usage=float(beat.get("kv_usage", 0.0)),
             model=model if isinstance(model, str) else None,
             adapters=tuple(a for a in adapters if isinstance(a, str))
-            if isinstance(adapters, list) else ()))
+            if isinstance(adapters, list) else (),
+            prefix_hit_rate=float(beat.get("prefix_hit_rate", 0.0))))
     return workers
 
 
@@ -145,7 +176,9 @@ async def queue_stats(redis: aioredis.Redis, partitions: int = 1,
                       models: Sequence[str] = ()) -> QueueStats:
     """Every model's lanes (``models`` first, then those Redis names) and the live workers."""
     workers = await worker_stats(redis)
-    lanes = [await lane_stats(redis, model, lane, p)
-             for model in await known_models(redis, models, workers)
-             for lane in keys.LANES for p in range(partitions)]
+    lanes = []
+    for model in await known_models(redis, models, workers):
+        lanes += [await lane_stats(redis, model, lane, p)
+                  for lane in keys.LANES for p in range(partitions)]
+        lanes += await routed_stats(redis, model)
     return QueueStats(lanes=lanes, workers=workers)

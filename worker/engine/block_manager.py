@@ -10,18 +10,12 @@ is evicted, least recently used first, to make room. Plain Python: no torch.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
-
-def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """A collision-resistant id for a full block given everything before it."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"\0")
-    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids))
-    return h.digest()
+from tidegate.routing.prefix_hashes import block_hash
 
 
 @dataclass(slots=True)
@@ -62,6 +56,7 @@ class BlockManager:
         self._by_hash: dict[bytes, int] = {}
         self._tables: dict[str, _Table] = {}
         self.stats = PrefixCacheStats()
+        self.changes = 0  # bumped whenever a hash is registered or evicted (announcements)
 
     # ------------------------------------------------------------------ queries
 
@@ -76,6 +71,16 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def hash_of(self, block_id: int) -> bytes | None:
+        """The hash a cached block is registered under (None: not a cached block)."""
+        return self.blocks[block_id].hash
+
+    def recent_hashes(self, limit: int) -> bytes:
+        """The first 8 bytes of each of the ``limit`` most recently registered cached blocks'
+        hashes, newest first, packed: what a worker announces for prefix-aware routing
+        (``tidegate.routing``). Read it between steps, never while one runs."""
+        return b"".join(h[:8] for h in islice(reversed(self._by_hash), limit))
 
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables[seq_id].blocks
@@ -154,6 +159,7 @@ class BlockManager:
             if block.hash is None and h not in self._by_hash:
                 block.hash = h
                 self._by_hash[h] = block.block_id
+                self.changes += 1
 
     def free(self, seq_id: str) -> None:
         """Release the request's blocks; computed full ones stay cached until evicted."""
@@ -183,6 +189,7 @@ class BlockManager:
         block = self.blocks[block_id]
         del self._by_hash[block.hash]  # type: ignore[arg-type]
         block.hash = None
+        self.changes += 1
         return block_id
 
     def _take(self, block_id: int) -> int:

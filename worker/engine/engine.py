@@ -482,6 +482,12 @@ class Engine:
         return len(self.scheduler.waiting)
 
     @property
+    def num_backlogged(self) -> int:
+        """Waiting requests the engine had no room for at its last schedule (not those it
+        held a step for another's prefill of their prompt: they run next)."""
+        return max(0, len(self.scheduler.waiting) - self.scheduler.num_held)
+
+    @property
     def pending_prefill_tokens(self) -> int:
         """Prompt (or recompute) tokens admitted but not yet run through the model."""
         seqs = [*self.scheduler.running, *self.scheduler.waiting]

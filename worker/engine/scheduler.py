@@ -18,6 +18,7 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tidegate.routing.prefix_hashes import block_hash, prompt_block_hashes
 from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import SeqStatus, Sequence
 
@@ -80,6 +81,11 @@ class SchedulerOutput:
         return sum(1 for c in self.chunks if c.is_decode)
 
 
+# A waiting request waits a step for a running request's prefill rather than compute the
+# same blocks beside it when they are at least this many tokens (a long system prompt).
+HOLD_MIN_TOKENS = 256
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
         self.config = config
@@ -91,6 +97,12 @@ class Scheduler:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.adapters: Counter[str] = Counter()  # running requests per adapter
+        # Full blocks running requests are prefilling, not registered in the prefix cache
+        # yet: block hash -> (the request, the token count that completes the block). A
+        # request whose next uncached block is one of them waits for it instead of computing
+        # it too (requests sharing a new prefix arrive together: a burst, or routed jobs).
+        self._in_flight: dict[bytes, tuple[Sequence, int]] = {}
+        self.num_held = 0  # waiting requests the last schedule held for such a block
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -171,6 +183,7 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput,
                        hold_pending: bool = False, cap: int | None = None) -> None:
         i = 0
+        self.num_held = 0
         adapters_closed = False  # an earlier request's adapter found no slot
         cap = self.config.max_num_seqs if cap is None else cap
         while (i < len(self.waiting) and budget > 0 and len(out.chunks) < cap
@@ -187,7 +200,12 @@ class Scheduler:
                 continue
             ids = seq.all_ids()  # a preempted request recomputes its generated tokens too
             salt = seq.cache_salt
-            cached = len(self.blocks.cached_prefix(ids, salt)) * self.blocks.block_size
+            hits = self.blocks.cached_prefix(ids, salt)
+            cached = len(hits) * self.blocks.block_size
+            if self._in_flight and self._computed_elsewhere(seq, ids, hits, salt):
+                i += 1  # another request computes its next block now: reuse it next step
+                self.num_held += 1
+                continue
             n = min(len(ids) - cached, budget)
             if not self.blocks.can_allocate(ids, cached + n, salt):
                 break
@@ -196,12 +214,56 @@ class Scheduler:
             self.prefix_hit_tokens += cached
             seq.num_computed = self.blocks.allocate(seq.request_id, ids, cached + n, salt)
             seq.num_cached_prompt = seq.num_computed
+            if self.blocks.prefix_caching:
+                self._note_in_flight(seq, ids, hits, salt)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             if seq.adapter is not None:
                 self.adapters[seq.adapter] += 1
             out.add(ScheduledChunk.of(seq, n))
             budget -= n
+
+    def _computed_elsewhere(self, seq: Sequence, ids: list[int], hits: list[int],
+                            salt: bytes | None) -> bool:
+        """Whether at least ``HOLD_MIN_TOKENS`` of ``ids`` past the cached ``hits`` are being
+        prefilled by another running request (cached once that request's chunks are done):
+        worth a step's wait. A shorter shared part (a chat template's default system prompt,
+        shared by every chat) is computed again rather than delay the request."""
+        bs = self.blocks.block_size
+        start = len(hits) * bs
+        usable = (len(ids) - 1) // bs  # the full blocks the cache could serve
+        if usable * bs - start < HOLD_MIN_TOKENS:
+            return False
+        parent = self.blocks.hash_of(hits[-1]) if hits else salt
+        found = 0
+        for j in range(len(hits), usable):
+            parent = block_hash(parent, ids[j * bs:(j + 1) * bs])
+            holder = self._in_flight.get(parent)
+            if holder is None:
+                break
+            other, end = holder
+            if other is seq or other.status is not SeqStatus.RUNNING or other.num_computed >= end:
+                del self._in_flight[parent]  # done, preempted or ended
+                break
+            found += 1
+            if found * bs >= HOLD_MIN_TOKENS:
+                return True
+        return False
+
+    def _note_in_flight(self, seq: Sequence, ids: list[int], hits: list[int],
+                        salt: bytes | None) -> None:
+        """Record the full blocks ``seq`` prefills from here (its uncached part)."""
+        bs = self.blocks.block_size
+        first = len(hits)
+        if (len(ids) // bs - first) * bs < HOLD_MIN_TOKENS:
+            return  # too short for anyone to wait for
+        parent = self.blocks.hash_of(hits[-1]) if hits else salt
+        if len(self._in_flight) > max(1024, self.blocks.num_blocks):  # drop what ended
+            self._in_flight = {h: (o, e) for h, (o, e) in self._in_flight.items()
+                               if o.status is SeqStatus.RUNNING and o.num_computed < e}
+        for j, h in enumerate(prompt_block_hashes(ids[first * bs:], bs, parent, whole=True),
+                              start=first):
+            self._in_flight.setdefault(h, (seq, (j + 1) * bs))
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         """Whether ``seq``'s adapter can run beside the running requests' adapters."""

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from tidegate.protocol import FinishReason, SamplingParams
+from tidegate.routing.prefix_hashes import adapter_salt
 from worker.engine.detokenizer import IncrementalDetokenizer
 
 LANE_RANK = {"interactive": 0, "batch": 1}
@@ -87,7 +88,7 @@ class Sequence:
     def cache_salt(self) -> bytes | None:
         """What its prefix-cache hashes start from: keys and values computed with an adapter
         are that adapter's (every projection's output differs), never the base model's."""
-        return None if self.adapter is None else b"lora\0" + self.adapter.encode()
+        return adapter_salt(self.adapter)
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

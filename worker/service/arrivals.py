@@ -40,6 +40,7 @@ log = logging.getLogger("tidegate.worker")
 IDLE_BLOCK_MS = 1000
 BUSY_BLOCK_MS = 100  # a busy worker's intake waits this long for jobs, then looks again
 PEEK_EVERY_S = 0.1
+STEAL_LOOK_MIN_MS = 50  # other workers' streams are looked at no more often than this
 PEEK_COUNT = 16
 PROMPT_LEN_CACHE = 1024
 RETRY_S = 0.5
@@ -86,6 +87,7 @@ class ArrivalIntake:
         self._boundary = asyncio.Event()
         self._last_reclaim = 0.0
         self._last_peek = 0.0
+        self._last_steal = 0.0
         self._prompt_lens: OrderedDict[str, int] = OrderedDict()  # job id -> prompt tokens
 
     def held(self) -> list[Delivery]:
@@ -128,7 +130,7 @@ class ArrivalIntake:
     async def _once(self) -> None:
         engine = self.engine
         seats = engine.config.max_num_seqs - engine.num_active - len(self.arrivals)
-        if engine.num_waiting or seats <= 0:
+        if engine.num_backlogged or seats <= 0:
             # Full: leave runnable jobs to other workers, but answer hopeless ones at once.
             await self._reject_hopeless_head()
             await self._next_boundary(PEEK_EVERY_S)
@@ -141,8 +143,21 @@ class ArrivalIntake:
                 seats, min_idle_ms=self.visibility_timeout_ms)
         if len(deliveries) < seats:
             busy = engine.has_unfinished() or bool(deliveries or self.arrivals)
-            deliveries += await self.streams.read(
-                seats - len(deliveries), block_ms=BUSY_BLOCK_MS if busy else IDLE_BLOCK_MS)
+            block_ms = BUSY_BLOCK_MS if busy else IDLE_BLOCK_MS
+            if not await self.streams.others():
+                deliveries += await self.streams.read(seats - len(deliveries), block_ms=block_ms)
+            else:
+                # Other workers' streams exist: look at them about twice per steal delay, for
+                # what waited there too long, once its own streams and the lane are empty (the
+                # wait on those is cut short for it).
+                every_ms = max(STEAL_LOOK_MIN_MS, self.streams.steal_delay_ms // 2)
+                if (now - self._last_steal) * 1000 >= every_ms:
+                    self._last_steal = now
+                    deliveries += await self.streams.read(seats - len(deliveries), block_ms=0)
+                    if len(deliveries) < seats:
+                        deliveries += await self.streams.steal(seats - len(deliveries))
+                if not deliveries:
+                    deliveries = await self.streams.read(seats, block_ms=min(block_ms, every_ms))
         if deliveries:
             await self._prepare(deliveries)
 

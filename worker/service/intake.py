@@ -1,13 +1,23 @@
-"""Stream intake: the worker's side of its model's lane streams and their consumer group."""
+"""Stream intake: the worker's side of its model's lane streams and their consumer group.
+
+With prefix routing (``tidegate.routing``) each lane also has a stream of the worker's own,
+where the API puts the jobs whose prompts this worker's cache most likely holds; the worker
+reads it before the shared lane. Jobs that waited on another worker's stream past the steal
+delay are taken by whichever worker has a free seat (``steal``), and entries pending on a
+dead worker's stream are reclaimed like the lanes' own.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import time
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from tidegate import keys
 from tidegate.jobstore import JOB_FIELD
@@ -46,18 +56,57 @@ def parse_entry(stream: str, message_id: str, fields: dict[str, str]) -> Deliver
         return Delivery(stream, message_id, None, job_id, f"invalid job: {reasons}")
 
 
+# KEYS[1]: another worker's routed stream. ARGV: group, consumer, delay_ms, count. Delivers to
+# the consumer up to ``count`` of the entries the group has not read that were added at least
+# ``delay_ms`` ago (by the server's clock, which also stamped the entry ids), oldest first:
+# atomically, so a job the owner reads meanwhile is never taken twice, and a fresh one never
+# early. Returns the entries as XREADGROUP does for one stream.
+_STEAL_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
+local last = nil
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local name, id
+  for i = 1, #g, 2 do
+    if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'last-delivered-id' then id = g[i + 1] end
+  end
+  if name == ARGV[1] then last = id end
+end
+if last == nil then return {} end
+local t = redis.call('TIME')
+local cutoff = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[3])
+local old = redis.call('XRANGE', KEYS[1], '(' .. last, tostring(cutoff), 'COUNT', ARGV[4])
+if #old == 0 then return {} end
+local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', #old,
+                       'STREAMS', KEYS[1], '>')
+return got[1][2]
+"""
+_STEAL_SHA = hashlib.sha1(_STEAL_LUA.encode()).hexdigest()
+
+# How long the list of the model's routed streams is trusted before it is read again.
+ROUTED_LIST_S = 1.0
+
+
 class StreamIntake:
     def __init__(
         self, redis: aioredis.Redis, consumer: str, *, model: str, partitions: int = 1,
-        lanes: tuple[str, ...] = keys.LANES,
+        lanes: tuple[str, ...] = keys.LANES, routing: bool = False, steal_delay_ms: int = 200,
     ) -> None:
         self.redis = redis
         self.consumer = consumer
         self.model = model  # the served name: only its lanes are read
-        # Lanes in priority order; each lane may be split into partitions.
-        self.streams = [keys.lane_stream(model, lane, p) for lane in lanes
-                        for p in range(partitions)]
+        self.lanes = lanes
+        self.steal_delay_ms = steal_delay_ms
+        # This worker's routed streams (prefix routing on), one per lane.
+        self.own = {keys.routed_stream(model, lane, consumer): lane
+                    for lane in lanes} if routing else {}
+        # What it reads, in priority order: per lane its own stream, then the lane's partitions.
+        self.streams = [s for lane in lanes for s in (
+            ([keys.routed_stream(model, lane, consumer)] if routing else [])
+            + [keys.lane_stream(model, lane, p) for p in range(partitions)])]
         self._empty = False  # the last read found nothing
+        self._others: list[str] = []  # other workers' routed streams, interactive lane first
+        self._others_at = -ROUTED_LIST_S
+        self.taken: Counter[str] = Counter()  # via (routed, shared, stolen, reclaimed) -> jobs
 
     async def ensure_groups(self) -> None:
         for stream in self.streams:
@@ -66,6 +115,42 @@ class StreamIntake:
             except ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+        if self.own:  # listed after they exist, so a job routed there finds them
+            await self.redis.sadd(keys.routed_streams(self.model), *self.own)
+
+    def _count(self, deliveries: list[Delivery]) -> list[Delivery]:
+        for d in deliveries:
+            self.taken["routed" if d.stream in self.own else "shared"] += 1
+        return deliveries
+
+    async def others(self) -> list[str]:
+        """The model's other routed streams (dead workers' too), interactive lane first."""
+        if time.monotonic() - self._others_at >= ROUTED_LIST_S:
+            members = await self.redis.smembers(keys.routed_streams(self.model))
+            rank = {lane: i for i, lane in enumerate(self.lanes)}
+            found = [(rank[parts[0]], s) for s in members if s not in self.own
+                     and (parts := keys.routed_stream_lane(self.model, s)) and parts[0] in rank]
+            self._others = [s for _, s in sorted(found)]
+            self._others_at = time.monotonic()
+        return self._others
+
+    async def steal(self, count: int) -> list[Delivery]:
+        """Up to ``count`` jobs that waited on other workers' streams past the steal delay."""
+        got: list[Delivery] = []
+        for stream in await self.others():
+            if len(got) >= count:
+                break
+            args = [keys.CONSUMER_GROUP, self.consumer, self.steal_delay_ms, count - len(got)]
+            try:
+                reply = await self.redis.evalsha(_STEAL_SHA, 1, stream, *args)
+            except NoScriptError:
+                await self.redis.script_load(_STEAL_LUA)
+                reply = await self.redis.evalsha(_STEAL_SHA, 1, stream, *args)
+            for message_id, flat in reply or []:
+                fields = dict(zip(flat[::2], flat[1::2], strict=True))
+                got.append(parse_entry(stream, message_id, fields))
+        self.taken["stolen"] += len(got)
+        return got
 
     async def read(self, count: int, *, block_ms: int) -> list[Delivery]:
         """Up to ``count`` new jobs, higher-priority streams first; block only if none.
@@ -81,7 +166,7 @@ class StreamIntake:
         if not got and block_ms > 0:
             got = await self._read({s: ">" for s in self.streams}, 1, block_ms)
         self._empty = not got
-        return got
+        return self._count(got)
 
     async def _read(
         self, streams: dict[str, str], count: int, block_ms: int | None
@@ -107,7 +192,7 @@ class StreamIntake:
 
     async def read_from(self, stream: str, count: int) -> list[Delivery]:
         """Take the next ``count`` undelivered entries of one stream (after a ``peek``)."""
-        return await self._read({stream: ">"}, count, None)
+        return self._count(await self._read({stream: ">"}, count, None))
 
     async def reclaim(self, count: int, *, min_idle_ms: int) -> list[Delivery]:
         """Take over up to ``count`` entries other workers left pending past ``min_idle_ms``.
@@ -115,7 +200,7 @@ class StreamIntake:
         Their owners stopped refreshing them (``touch``): crashed, killed or partitioned away.
         """
         got: list[Delivery] = []
-        for stream in self.streams:
+        for stream in [*self.streams, *(await self.others())]:
             if len(got) >= count:
                 break
             reply = await self.redis.xautoclaim(stream, keys.CONSUMER_GROUP, self.consumer,
@@ -130,6 +215,7 @@ class StreamIntake:
             for (message_id, fields), info in zip(entries, await pipe.execute(), strict=True):
                 attempt = info[0]["times_delivered"] if info else 2
                 got.append(replace(parse_entry(stream, message_id, fields), attempt=attempt))
+        self.taken["reclaimed"] += len(got)
         return got
 
     async def touch(self, deliveries: list[Delivery]) -> None:

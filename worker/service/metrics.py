@@ -26,12 +26,15 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from worker.engine.engine import Engine
+from worker.service.intake import StreamIntake
 
 # Seconds; the same spread as vLLM's request-latency buckets, down to 1 ms for token gaps.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
                    80.0, 160.0, 320.0, 640.0)
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                      0.5, 0.75, 1.0, 2.5, 5.0)
+# Where a job was read from, as the ``via`` label of tidegate_jobs_taken_total.
+TAKEN_VIA = ("routed", "shared", "stolen", "reclaimed")
 # How a job ended, as the ``reason`` label of tidegate_requests_finished_total.
 OUTCOMES = ("completed", "deadline_exceeded", "cannot_meet_deadline", "cancelled",
             "dead_lettered", "error")
@@ -60,6 +63,11 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("tidegate_prefix_cache_hits",
                                   "Prompt tokens found in the prefix cache (not computed).",
                                   scheduler.prefix_hit_tokens)
+        queried = scheduler.prefix_query_tokens
+        yield GaugeMetricFamily("tidegate_prefix_cache_hit_rate",
+                                "Fraction of prompt tokens found in the prefix cache since the "
+                                "worker started (hits / queries; 0 before any prompt).",
+                                scheduler.prefix_hit_tokens / queried if queried else 0.0)
         yield CounterMetricFamily("tidegate_num_preemptions",
                                   "Requests preempted (blocks freed, recomputed later).",
                                   engine.stats.preemptions)
@@ -135,6 +143,24 @@ class CountingHistogram(Collector):
                                     sum_value=self.sum)
 
 
+class _TakenCollector(Collector):
+    """Jobs the intake read, by where, read when Prometheus scrapes."""
+
+    def __init__(self, intake: StreamIntake) -> None:
+        self.intake = intake
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "tidegate_jobs_taken",
+            "Jobs this worker read from the queue, by where: routed (its own stream: prefix "
+            "routing sent them here), shared (the model's shared lanes), stolen (another "
+            "worker's stream, after they waited the steal delay), reclaimed (pending on a "
+            "worker that stopped refreshing them).", labels=["via"])
+        for via in TAKEN_VIA:
+            family.add_metric([via], self.intake.taken[via])
+        yield family
+
+
 class WorkerMetrics:
     def __init__(self, engine: Engine | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -191,6 +217,10 @@ class WorkerMetrics:
         r.register(_LoopCpuCollector())
         if engine is not None:
             r.register(_EngineCollector(engine))
+
+    def watch_intake(self, intake: StreamIntake) -> None:
+        """Report the intake's count of jobs taken, by where (``tidegate_jobs_taken_total``)."""
+        self.registry.register(_TakenCollector(intake))
 
     def outcome(self, reason: str) -> None:
         self.finished.labels(reason=reason).inc()

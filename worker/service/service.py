@@ -76,6 +76,7 @@ from worker.parallel.layout import ParallelLayout
 from worker.parallel.parallel_engine import start_parallel_engine
 from worker.service.adapter_loader import AdapterLoader
 from worker.service.arrivals import IDLE_BLOCK_MS, Arrival, ArrivalIntake
+from worker.service.cache_announcer import CacheAnnouncer
 from worker.service.cancel_listener import CancelListener
 from worker.service.cpu_tuning import keep_large_allocations
 from worker.service.intake import Delivery, StreamIntake
@@ -114,6 +115,7 @@ class WorkerService:
         policy: QueuePolicy | None = None,
         shedder: LoadShedder | None = None, metrics: WorkerMetrics | None = None,
         status: StatusServer | None = None, stream_interval_s: float = 0.0,
+        prefix_routing: bool = False, steal_delay_ms: int = 200,
     ) -> None:
         self.redis = redis
         self.engine = engine
@@ -124,7 +126,16 @@ class WorkerService:
         self.worker_id = worker_id or new_worker_id()
         self.policy = policy or QueuePolicy()
         self.shedder = shedder or LoadShedder()
-        self.intake = StreamIntake(redis, self.worker_id, model=model, partitions=partitions)
+        self.intake = StreamIntake(redis, self.worker_id, model=model, partitions=partitions,
+                                   routing=prefix_routing, steal_delay_ms=steal_delay_ms)
+        self.metrics.watch_intake(self.intake)
+        # Prefix routing: what its cache holds, for the API to route jobs here.
+        self.announcer = CacheAnnouncer(
+            redis, engine, model=model, worker_id=self.worker_id,
+            own_streams=list(self.intake.own),
+            busy=lambda: engine.num_active + len(self.arrivals.arrivals),
+            finished=lambda: self.jobs_finished) if prefix_routing else None
+        self.jobs_finished = 0  # jobs whose results it stored
         self.adapters = AdapterLoader(redis, engine, model=model, worker_id=self.worker_id)
         self.publisher = EventPublisher(redis, self.worker_id, retention=retention,
                                         metrics=self.metrics,
@@ -183,6 +194,11 @@ class WorkerService:
         self.adapters.start()
         background = [asyncio.create_task(self._heartbeat(), name="heartbeat"),
                       asyncio.create_task(self._keepalive(), name="keepalive")]
+        if self.announcer is not None:
+            self.announcer.note()
+            self.announcer.start()
+            assert self.announcer.task is not None
+            background.append(self.announcer.task)
         for task in [*background, *self.publisher.tasks, *self.cancels.tasks,
                      *self.adapters.tasks]:
             task.add_done_callback(self._task_ended)
@@ -202,6 +218,8 @@ class WorkerService:
             await self._hand_back()
         finally:
             await cancel_and_wait(*background)
+            if self.announcer is not None:
+                await self.announcer.stop()
             await self.publisher.stop()
             await self.cancels.stop()
             await self.adapters.stop()
@@ -250,6 +268,8 @@ class WorkerService:
             self.publisher.record(outputs, self.active)
             self._step_ended()
         else:
+            if self.announcer is not None:
+                self.announcer.note(idle=True)
             self._work.clear()
             if not self.arrivals.arrivals and not self.draining:
                 with contextlib.suppress(TimeoutError):
@@ -265,6 +285,8 @@ class WorkerService:
         return outputs
 
     def _step_ended(self) -> None:
+        if self.announcer is not None:
+            self.announcer.note()
         full = self.engine.num_active >= self.engine.config.max_num_seqs
         if (full or self.engine.num_waiting) and time.monotonic() - self._load_at > LOAD_EVERY_S:
             self.arrivals.load, self._load_at = self._admission_load(), time.monotonic()
@@ -272,6 +294,7 @@ class WorkerService:
 
     def _finished(self, job: ActiveJob) -> None:
         """The publisher stored the job's result and acked it."""
+        self.jobs_finished += 1
         self.active.pop(job.job.id, None)
         if not self.active:
             self._min_deadline_ms, self._max_tokens_bound = math.inf, 0
@@ -468,6 +491,11 @@ class WorkerService:
                     log.warning("keepalive failed: %s", exc)
                 every_s = KEEPALIVE_RETRY_S
 
+    def _prefix_hit_rate(self) -> float:
+        scheduler = self.engine.scheduler
+        queried = scheduler.prefix_query_tokens
+        return scheduler.prefix_hit_tokens / queried if queried else 0.0
+
     async def _heartbeat(self) -> None:
         """Keep the worker's key alive, holding its load for ``tidegate.operations.queue_stats``."""
         key = keys.worker_heartbeat(self.worker_id)
@@ -479,7 +507,8 @@ class WorkerService:
             last_t, last_tokens = now, tokens
             beat = {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
                     "tokens_per_s": round(rate, 1), "kv_usage": round(self.engine.blocks.usage, 4),
-                    "model": self.model, "adapters": self.engine.adapter_names()}
+                    "model": self.model, "adapters": self.engine.adapter_names(),
+                    "prefix_hit_rate": round(self._prefix_hit_rate(), 4)}
             try:
                 await self.redis.set(key, json.dumps(beat), ex=keys.WORKER_HEARTBEAT_TTL_S)
             except RedisError as exc:  # the main loop sees the outage too; keep beating
@@ -644,6 +673,7 @@ async def _model_service(settings: Settings, model: ServedModel, redis: aioredis
                            own.drain_timeout_s),
         shedder=shedder, metrics=WorkerMetrics(engine), status=status,
         stream_interval_s=own.stream_interval_ms / 1000,
+        prefix_routing=own.prefix_routing, steal_delay_ms=own.steal_delay_ms,
     )
     await service.load_adapters(model.loras)
     return service

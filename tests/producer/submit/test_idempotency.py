@@ -164,11 +164,11 @@ class _EnqueueFailsOnce(SubmitPath):
 
     failed = False
 
-    async def _enqueue(self, job, *, tenant, stream_token=None):  # noqa: ANN001, ANN202
+    async def _enqueue(self, job, prompt_ids, *, tenant, stream_token=None):  # noqa: ANN001, ANN202
         if not self.failed:
             self.failed = True
             raise ValueError("not a RedisError: e.g. a job that cannot be serialised")
-        return await super()._enqueue(job, tenant=tenant, stream_token=stream_token)
+        return await super()._enqueue(job, prompt_ids, tenant=tenant, stream_token=stream_token)
 
 
 async def test_any_failure_after_the_claim_releases_the_key(

@@ -15,6 +15,7 @@ from tests.stack_process import cli
     (["api", "--model", "random:no-such-preset"], "no-such-preset"),
     (["worker", "--model", "random:tiny", "--lora", "oops"], "--lora 'oops': expected NAME=PATH"),
     (["up", "--model", "random:tiny", "--max-lora-rank", "65"], "max_lora_rank"),
+    (["worker", "--model", "random:tiny", "--steal-delay-ms", "-1"], "steal_delay_ms"),
 ])
 def test_bad_models_exit_2_naming_the_problem(args: list[str], message: str) -> None:
     out = cli(*args, "--redis-url", "redis://127.0.0.1:1/0")

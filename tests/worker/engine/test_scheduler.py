@@ -9,7 +9,12 @@ import pytest
 from tidegate.protocol import SamplingParams
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from worker.engine.scheduler import (
+    HOLD_MIN_TOKENS,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from worker.engine.sequence import SeqStatus, Sequence
 
 
@@ -316,3 +321,48 @@ def test_a_step_takes_at_most_its_share_of_the_requests() -> None:
         q.output_ids.append(5)
     assert [c.seq.request_id for c in s.schedule(hold_pending=True, max_seqs=2).chunks] == [
         "s0", "s1"]
+
+
+def test_a_request_waits_a_step_for_a_long_prefix_another_is_prefilling() -> None:
+    """Two requests sharing a prompt of HOLD_MIN_TOKENS and more, arriving together: the
+    second waits for the first's prefill and takes its blocks from the cache, instead of
+    computing them beside it."""
+    s = make(num_blocks=400, max_num_seqs=4, max_num_batched_tokens=1024)
+    a, b = seq("a", HOLD_MIN_TOKENS + 9), seq("b", HOLD_MIN_TOKENS + 9)
+    s.add(a)
+    s.add(b)
+    assert shape(step(s)) == [("a", 0, HOLD_MIN_TOKENS + 9)]
+    assert b.status is SeqStatus.WAITING
+    cached = (HOLD_MIN_TOKENS + 8) // 4 * 4
+    assert shape(step(s)) == [("a", HOLD_MIN_TOKENS + 9, 1), ("b", cached, 9 + HOLD_MIN_TOKENS
+                                                                 - cached)]
+    assert s.prefix_hit_tokens == cached
+
+
+def test_a_shorter_shared_prefix_is_computed_beside_rather_than_waited_for() -> None:
+    s = make(num_blocks=400, max_num_seqs=4, max_num_batched_tokens=1024)
+    a, b = seq("a", HOLD_MIN_TOKENS), seq("b", HOLD_MIN_TOKENS)  # one block short of it
+    s.add(a)
+    s.add(b)
+    assert shape(step(s)) == [("a", 0, HOLD_MIN_TOKENS), ("b", 0, HOLD_MIN_TOKENS)]
+
+
+def test_a_waiter_goes_on_when_the_request_it_waited_for_is_gone() -> None:
+    s = make(num_blocks=400, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = seq("a", 2 * HOLD_MIN_TOKENS), seq("b", 2 * HOLD_MIN_TOKENS)
+    s.add(a)
+    s.add(b)
+    assert shape(step(s)) == [("a", 0, 64)]  # a prefills in chunks; b waits for its blocks
+    assert shape(step(s)) == [("a", 64, 64)] and b.status is SeqStatus.WAITING
+    s.remove(a)  # cancelled: b computes the rest itself, from what a left in the cache
+    assert shape(step(s)) == [("b", 128, 64)]
+
+
+def test_requests_held_for_a_prefill_are_counted_apart() -> None:
+    s = make(num_blocks=400, max_num_seqs=4, max_num_batched_tokens=1024)
+    for name in "abc":
+        s.add(seq(name, HOLD_MIN_TOKENS + 9))
+    step(s)
+    assert (len(s.waiting), s.num_held) == (2, 2)  # both wait for a's blocks, not for room
+    step(s)
+    assert (len(s.waiting), s.num_held) == (0, 0)
