@@ -17,11 +17,12 @@ behind is cut (1013 / end of the SSE stream) without slowing anyone else.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import redis.asyncio as aioredis
+from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -55,8 +56,12 @@ BAD_RESUME_POINT = f"last_event_id (or Last-Event-ID) must be an integer from 0 
 class Gateway:
     """The gateway's routes and the Redis client, event hub and auth they share."""
 
-    def __init__(self, settings: Settings, *, auth: Auth | None = None):
+    def __init__(self, settings: Settings, *, auth: Auth | None = None,
+                 collectors: Sequence[Collector] = ()):
+        """``collectors``: more of this process's counters for its /metrics (``tidegate up``
+        serves the API's there)."""
         self.settings = settings
+        self.collectors = list(collectors)
         self.auth = auth if auth is not None else Auth.from_settings(settings)
         self._redis: aioredis.Redis | None = None
         self._hub: EventHub | None = None
@@ -111,7 +116,7 @@ class Gateway:
                                               hub.watched_jobs),
             "tidegate_gateway_direct_sends": ("Events written straight to idle watchers' "
                                               "sockets since start.", hub.direct_sends),
-        })
+        }, collectors=self.collectors)
 
     async def page(self, request: Request) -> Response:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})

@@ -18,6 +18,7 @@ import websockets
 from producer.client import Client
 from tests.conftest import RedisServer
 from tests.stack_process import TIDEGATE, cli, run_batch, tidegate_up
+from tidegate.operations.queue_stats import ROUTED
 
 pytestmark = pytest.mark.slow
 
@@ -171,11 +172,14 @@ def test_queue_stats_shows_the_live_worker_and_the_backlog(
     out = cli("queue", "stats", "--json", "--redis-url", redis_server.url)
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)
-    lanes = {lane["lane"]: lane for lane in stats["lanes"]}
-    assert set(lanes) == {"interactive", "batch"}
-    assert lanes["batch"]["length"] >= 6  # acknowledged entries stay until trimmed
-    assert lanes["batch"]["consumers"] == 1  # the worker that read them
-    waiting = lanes["batch"]["lag"] + lanes["batch"]["pending"]
+    assert {lane["lane"] for lane in stats["lanes"]} == {"interactive", "batch"}
+    # Per lane its partition, and (prefix routing, on by default) the sum over the workers'
+    # own streams; these prompts are shorter than a KV block: nothing to route, the lane.
+    batch = {lane["partition"]: lane for lane in stats["lanes"] if lane["lane"] == "batch"}
+    assert set(batch) == {0, ROUTED}
+    assert batch[0]["length"] >= 6  # acknowledged entries stay until trimmed
+    assert batch[0]["consumers"] == 1  # the worker that read them
+    waiting = sum(lane["lag"] + lane["pending"] for lane in batch.values())
     assert 0 <= waiting <= 6
     assert len(stats["workers"]) == 1  # its heartbeat: running, waiting, tok/s, KV usage
     worker = stats["workers"][0]
@@ -183,6 +187,7 @@ def test_queue_stats_shows_the_live_worker_and_the_backlog(
     table = cli("queue", "stats", "--redis-url", redis_server.url)
     assert table.returncode == 0, table.stderr
     assert "batch" in table.stdout and "workers: 1 live" in table.stdout
+    assert " rtd " in table.stdout  # the routed row
     assert worker["worker_id"] in table.stdout
 
 

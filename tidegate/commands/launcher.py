@@ -107,7 +107,9 @@ def combined_app(settings: Settings):  # -> Starlette
     from tidegate.http.openapi import openapi_route
 
     auth = Auth.from_settings(settings)  # one, so "auth is off" is said once
-    api, gateway = ProducerAPI(settings, auth=auth), Gateway(settings, auth=auth)
+    api = ProducerAPI(settings, auth=auth)
+    # One /metrics (the gateway's) carries the API's counters too: refusals, routes.
+    gateway = Gateway(settings, auth=auth, collectors=[api.path.limiter, api.path.routing])
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,6 +55,12 @@ def test_up_without_redis_server_uses_embedded_fakeredis_and_answers(tmp_path: P
             capture_output=True, text=True, timeout=60, env=env,
         )
         assert out.returncode == 0, out.stderr
+        # One /metrics for the API and the gateway: the queue and the API's routes (a prompt
+        # shorter than a KV block has nothing to route: the shared lane).
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            metrics = answer.read().decode()
+        assert 'tidegate_routed_jobs_total{model="random_tiny",route="shared"} 1.0' in metrics
+        assert "tidegate_queue_lag" in metrics
         # SIGTERM (docker stop, systemd) stops `up` and its worker with it: no orphan.
         workers = children(proc.pid)
         assert workers, "up runs its worker as a child process"
