@@ -150,14 +150,16 @@ class PrefixRouter:
     # ------------------------------------------------------------------ routing
 
     def live(self) -> list[str]:
-        now = self.wall_ms()
-        return [w for w, known in self._workers.items() if known.record.expires_ms > now]
+        return [k.record.worker_id for k in self._live(self.wall_ms())]
+
+    def _live(self, now_ms: int) -> list[_Worker]:
+        return [k for k in self._workers.values() if k.record.expires_ms > now_ms]
 
     def route(self, prompt_ids: Sequence[int], salt: bytes | None = None) -> Route:
         """Where a job with these prompt tokens (and adapter salt) goes; remembered as a
         prediction and as load on the chosen worker."""
         now_ms = self.wall_ms()
-        live = [k for k in self._workers.values() if k.record.expires_ms > now_ms]
+        live = self._live(now_ms)
         if not live:
             return SHARED
         by_size: dict[int, list[int]] = {}

@@ -21,6 +21,9 @@ import redis.asyncio as aioredis
 
 from tidegate import keys
 
+if array("Q").itemsize != 8:  # pragma: no cover - every platform tidegate runs on
+    raise ImportError("tidegate needs 8-byte unsigned long longs (array 'Q')")
+
 # A record (and its hashes) expires this long after it was written.
 ANNOUNCE_TTL_S = 10.0
 # Workers announce at most this often while their cache changes...
@@ -83,8 +86,6 @@ def unpack_hashes(raw: str | None) -> frozenset[int]:
         return frozenset()
     values = array("Q")
     values.frombytes(packed[:len(packed) // 8 * 8])
-    if values.itemsize != 8:  # pragma: no cover - every platform tidegate runs on
-        raise RuntimeError("array('Q') is not 8 bytes here")
     return frozenset(values.tolist())
 
 
