@@ -16,6 +16,8 @@ import redis
 import redis.asyncio as aioredis
 import torch
 
+from tests.redis_cluster import ClusterServers, start_cluster
+
 # Without a GPU, Triton kernels run in Triton's interpreter (set before Triton is imported).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -132,3 +134,20 @@ async def aredis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis.from_url(redis_url, decode_responses=True)
     yield client
     await client.aclose()
+
+
+# A real Redis Cluster (tests/redis_cluster.py): six nodes, one per session, since joining
+# them and syncing the replicas takes seconds.
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterServers]:
+    """Skipped only when redis-server or redis-cli is not installed."""
+    cluster = start_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster_url(redis_cluster: ClusterServers) -> str:
+    """The shared cluster, whole again (killed nodes restarted) and empty, for each test."""
+    redis_cluster.flush()
+    return redis_cluster.url

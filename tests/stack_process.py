@@ -14,16 +14,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import redis
 
 from tests.conftest import RedisServer, free_port
+from tests.redis_cluster import ClusterServers
 from tidegate import keys
+from tidegate.redis_conn import connect_sync
 
 TIDEGATE = [sys.executable, "-m", "tidegate"]
 
 
 @contextmanager
-def tidegate_up(redis_server: RedisServer, *, model: str = "smollm2",
+def tidegate_up(redis_server: RedisServer | ClusterServers, *, model: str = "smollm2",
                 startup_timeout_s: float = 120) -> Iterator[str]:
     """Yields the stack's base URL once its worker heartbeats; on exit, SIGTERM, and checks
     that no worker outlives it."""
@@ -116,7 +117,7 @@ def wait_until(check: Callable[[], object], what: str, timeout_s: float = 120.0)
 
 def heartbeat_of(url: str, pid: int) -> str | None:
     """The worker id of process ``pid`` once it heartbeats (ids are host-PID-random)."""
-    client = redis.Redis.from_url(url, decode_responses=True)
+    client = connect_sync(url, decode_responses=True)
     try:
         for key in client.scan_iter(match=keys.worker_heartbeat("*")):
             worker_id = key.split("{", 1)[1].rstrip("}")

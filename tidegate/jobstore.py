@@ -18,6 +18,7 @@ from redis.exceptions import NoScriptError
 from tidegate import keys
 from tidegate.events.event_log import COMPACT_LUA
 from tidegate.protocol import Job, JobResult, QueuedEvent
+from tidegate.redis_conn import AnyRedis, is_cluster
 from tidegate.retention import Retention
 
 
@@ -45,16 +46,18 @@ JOB_FIELD = "job"  # the one field of a lane stream entry: the Job's JSON
 # written first: an events stream that somehow exists without its hash fails the script before
 # anything is written. The lane entry comes last, so a job visible to workers has its record.
 #
-# Redis Cluster: the job's keys ({job_id}) and the lane stream ({lane.partition}) lie in two
-# slots, and one script (or MULTI) may touch one slot only. There, run this script without its
-# last XADD against the job's keys, then XADD the lane entry once it returned 1: two round
-# trips, in that order (what enqueue did before it became one script).
+# Redis Cluster: the job's keys ({job_id}) and the streams ({model.lane.partition} or
+# {model.lane.worker}) lie in other slots, and one script may touch one slot only. There the
+# script runs with the job's two keys only (it stops before the XADDs), and once it returned 1
+# the entry is added in a second round trip on the stream's slot (``_ROUTE_LUA``, or a plain
+# XADD on the lane): the record before the entry, as in one script.
 _ENQUEUE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('XADD', KEYS[2], '1-0', 'e', ARGV[2])
 redis.call('HSET', KEYS[1], 'job', ARGV[1], 'status', 'queued', unpack(ARGV, 5))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
+if not KEYS[3] then return 1 end
 if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'job', ARGV[1])
   return 2
@@ -63,6 +66,15 @@ redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'job', ARGV[1])
 return 1
 """
 _ENQUEUE_SHA = hashlib.sha1(_ENQUEUE_LUA.encode()).hexdigest()
+
+# Cluster only. KEYS: a worker's routed stream. ARGV: the job JSON, the lane's MAXLEN. Adds the
+# entry if the stream exists (2), else nothing (0: the caller adds it to the lane).
+_ROUTE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'job', ARGV[1])
+return 2
+"""
+_ROUTE_SHA = hashlib.sha1(_ROUTE_LUA.encode()).hexdigest()
 
 
 async def enqueue(
@@ -94,12 +106,26 @@ async def enqueue(
              keys.lane_stream(job.model, job.lane, partition)]
     if routed_to is not None:
         names.append(keys.routed_stream(job.model, job.lane, routed_to))
+    if is_cluster(redis):
+        if not int(await run_script(redis, _ENQUEUE_LUA, _ENQUEUE_SHA, names[:2], args)):
+            return 0
+        if routed_to is not None and int(await run_script(
+                redis, _ROUTE_LUA, _ROUTE_SHA, names[3:], [raw, keys.LANE_MAXLEN])):
+            return 2
+        await redis.xadd(names[2], {JOB_FIELD: raw}, maxlen=keys.LANE_MAXLEN, approximate=True)
+        return 1
+    return int(await run_script(redis, _ENQUEUE_LUA, _ENQUEUE_SHA, names, args))
+
+
+async def run_script(redis: AnyRedis, script: str, sha: str, names: list[str],
+                     args: list[str | int]) -> object:
+    """EVALSHA, loading the script first where the server lacks it (a fresh or flushed Redis,
+    a promoted replica: script caches are not replicated)."""
     try:
-        done = await redis.evalsha(_ENQUEUE_SHA, len(names), *names, *args)
-    except NoScriptError:  # a fresh (or flushed) Redis: load it once, then as before
-        await redis.script_load(_ENQUEUE_LUA)
-        done = await redis.evalsha(_ENQUEUE_SHA, len(names), *names, *args)
-    return int(done)
+        return await redis.evalsha(sha, len(names), *names, *args)
+    except NoScriptError:
+        await redis.script_load(script)  # on a cluster: every primary
+        return await redis.evalsha(sha, len(names), *names, *args)
 
 
 async def read_result(redis: aioredis.Redis, job_id: str) -> JobResult | None:
@@ -202,7 +228,9 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], id .. '-0', 'e', raw)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 compact(KEYS[2], tonumber(ARGV[2]))
-redis.call('PUBLISH', ARGV[1], job['id'] .. ' ' .. id .. ' done ' .. raw)
+local line = job['id'] .. ' ' .. id .. ' done ' .. raw
+if ARGV[1] == '' then return {'cancelled', line} end
+redis.call('PUBLISH', ARGV[1], line)
 return 'cancelled'
 """
 
@@ -226,7 +254,9 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], id .. '-0', 'e', raw)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 compact(KEYS[2], tonumber(ARGV[2]))
-redis.call('PUBLISH', ARGV[1], job['id'] .. ' ' .. id .. ' rejected ' .. raw)
+local line = job['id'] .. ' ' .. id .. ' rejected ' .. raw
+if ARGV[1] == '' then return {'ok', line} end
+redis.call('PUBLISH', ARGV[1], line)
 return 'ok'
 """
 
@@ -236,9 +266,23 @@ async def reject_queued(redis: aioredis.Redis, job_id: str, *, reason: str, mess
     """Reject a job no worker has claimed: 'ok', or the status it had instead ('running', a
     final status ('rejected' included), 'missing'), in which case nothing changed. Safe to race: of several callers
     (API replicas) one rejects it, and a worker that claims it first wins."""
-    return await redis.eval(_REJECT_QUEUED_LUA, 2, keys.job_hash(job_id),
-                            keys.job_events(job_id), keys.job_live_channel(job_id), ttl_s,
-                            reason, message, keys.EVENTS_MAXLEN)
+    return await _publishing(redis, _REJECT_QUEUED_LUA, job_id, ttl_s, reason, message,
+                             keys.EVENTS_MAXLEN)
+
+
+async def _publishing(redis: AnyRedis, script: str, job_id: str, *args: str | int) -> str:
+    """Run a script of one job that publishes its new event (ARGV[1]: the live channel). A
+    script on a cluster may not publish on a channel of another slot, so there it returns
+    the event's line and the line goes out here, with SPUBLISH, after the script stored it."""
+    names = [keys.job_hash(job_id), keys.job_events(job_id)]
+    channel = keys.job_live_channel(job_id)
+    if not is_cluster(redis):
+        return await redis.eval(script, 2, *names, channel, *args)
+    reply = await redis.eval(script, 2, *names, "", *args)
+    if isinstance(reply, list):
+        reply, line = reply
+        await redis.spublish(channel, line)
+    return reply
 
 
 async def claim_many(redis: aioredis.Redis, jobs: list[tuple[str, int]], worker_id: str
@@ -248,11 +292,15 @@ async def claim_many(redis: aioredis.Redis, jobs: list[tuple[str, int]], worker_
     if not jobs:
         return []
     script = redis.register_script(_CLAIM_LUA)  # EVALSHA: the body travels once, if at all
+    cluster = is_cluster(redis)
     for attempt in range(2):
         pipe = redis.pipeline(transaction=False)
         for job_id, delivery in jobs:
-            await script(keys=[keys.job_hash(job_id), keys.job_events(job_id)],
-                         args=[worker_id, delivery], client=pipe)
+            names = [keys.job_hash(job_id), keys.job_events(job_id)]
+            if cluster:  # redis-py's cluster pipeline has no evalsha method; the command routes
+                pipe.execute_command("EVALSHA", script.sha, 2, *names, worker_id, delivery)
+            else:
+                await script(keys=names, args=[worker_id, delivery], client=pipe)
         try:
             return [Claim(str(before), int(next_id), int(stalls))
                     for before, next_id, stalls in await pipe.execute()]
@@ -260,9 +308,12 @@ async def claim_many(redis: aioredis.Redis, jobs: list[tuple[str, int]], worker_
             # A pipeline loads its scripts before it runs, but its retry after a dropped
             # connection does not: a Redis restarted meanwhile (its script cache empty)
             # refuses the EVALSHA. Nothing ran (the first command failed); a new pipeline
-            # loads the script again.
+            # loads the script again. A cluster's pipeline loads nothing: load it on every
+            # primary (a claim run twice is harmless: the second sees 'running', its own).
             if attempt:
                 raise
+            if is_cluster(redis):
+                await redis.script_load(_CLAIM_LUA)
     raise AssertionError("unreachable")
 
 
@@ -273,9 +324,8 @@ async def request_cancel(redis: aioredis.Redis, job_id: str, *,
     ('done', 'error', 'rejected')."""
     from tidegate.protocol import now_ms
 
-    return await redis.eval(_CANCEL_LUA, 2, keys.job_hash(job_id), keys.job_events(job_id),
-                            keys.job_live_channel(job_id), ttl_s, now_ms(), keys.CANCEL_CHANNEL,
-                            job_id, keys.EVENTS_MAXLEN)
+    return await _publishing(redis, _CANCEL_LUA, job_id, ttl_s, now_ms(), keys.CANCEL_CHANNEL,
+                             job_id, keys.EVENTS_MAXLEN)
 
 
 async def cancel_requested(redis: aioredis.Redis, job_ids: list[str]) -> set[str]:

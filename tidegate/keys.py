@@ -50,6 +50,12 @@ def lane_stream(model: str, lane: str, partition: int = 0) -> str:
 LANE_STREAM_PATTERN = f"{PREFIX}:lane:*"
 
 
+def job_partition(job_id: str, partitions: int) -> int:
+    """The lane partition a job is queued on: its id spread evenly over ``partitions`` (each
+    partition its own slot: on a cluster a lane's traffic spreads over the shards)."""
+    return zlib.crc32(job_id.encode()) % partitions if partitions > 1 else 0
+
+
 def parse_lane_stream(stream: str) -> tuple[str, str, int] | None:
     """(model, lane, partition) of a ``lane_stream`` name; None for anything else. Model names
     may hold dots: the lane and partition are the last two parts."""
@@ -206,8 +212,19 @@ MAX_DELIVERIES = 3
 
 # ---------------------------------------------------------------- batches (arq)
 
-# arq's queue for batch orchestration (arq's own keys: not hash-tagged, one Redis or one slot).
-BATCH_ARQ_QUEUE = f"{PREFIX}:arq"
+# arq's queue for batch orchestration. arq builds its other keys from fixed prefixes and the job
+# id (``arq:job:<id>``, ``arq:result:<id>``...) and runs MULTI across them, which a Redis Cluster
+# allows within one slot only: every arq key carries the tag below (the queue, its health key,
+# job ids through ``batch_arq_job_id``, arq's abort set through ``BATCH_ARQ_ABORT``), so all of
+# batch orchestration lives in one slot, one shard (its traffic is a few commands per batch).
+BATCH_ARQ_TAG = "{tidegate-arq}"
+BATCH_ARQ_QUEUE = f"{PREFIX}:arq:{BATCH_ARQ_TAG}"
+BATCH_ARQ_ABORT = f"arq:abort:{BATCH_ARQ_TAG}"
+
+
+def batch_arq_job_id(name: str) -> str:
+    """An arq job id in batch orchestration's slot."""
+    return f"{BATCH_ARQ_TAG}{name}"
 BATCH_ID_RE = re.compile(r"^batch_[0-9a-f]{32}$")
 # A batch's records outlive its completion by this long (results stay downloadable).
 BATCH_TTL_S = 7 * 24 * 3600

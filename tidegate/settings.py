@@ -145,6 +145,16 @@ class Settings(BaseSettings):
     # Charged prompt tokens + max_tokens at submit, as OpenAI counts them at admission.
     rate_limit_tokens_per_min: int | None = Field(default=None, gt=0)
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        """A cluster URL (``redis+cluster://host:port[,host:port]``) must name its nodes."""
+        from tidegate.redis_conn import cluster_nodes, is_cluster_url
+
+        if is_cluster_url(value):
+            cluster_nodes(value)  # ValueError: the field's reason
+        return value
+
     @field_validator("api_keys", "admin_keys", "models", "loras", mode="before")
     @classmethod
     def _comma_list(cls, value: object) -> object:

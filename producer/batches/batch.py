@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from tidegate import keys, untrusted_json
 from tidegate.jobstore import request_cancel
 from tidegate.protocol import JobRequest, now_ms
+from tidegate.redis_conn import is_cluster, slot_client
 
 BATCH_TIMEOUT_S = 24 * 3600  # each line's deadline: a batch may wait behind interactive work
 MAX_LINES = 100_000
@@ -123,7 +124,10 @@ async def submit(redis: aioredis.Redis, text: str) -> str:
             invalid[str(index)] = error_line(batch_id, index, line["custom_id"],
                                              "invalid_request", f"{where}: {first['msg']}")
     ttl = keys.BATCH_TTL_S
-    pipe = redis.pipeline(transaction=True)
+    # One MULTI on a single server. A cluster client has no MULTI: the writes (one slot) go as
+    # a pipeline; a batch half written by an API that died meanwhile has no arq job, is never
+    # answered to its submitter, and expires.
+    pipe = redis.pipeline(transaction=not is_cluster(redis))
     for start in range(0, len(lines), LINE_CHUNK):
         pipe.rpush(keys.batch_lines(batch_id),
                    *(json.dumps(x) for x in lines[start:start + LINE_CHUNK]))
@@ -136,9 +140,19 @@ async def submit(redis: aioredis.Redis, text: str) -> str:
                 keys.batch_results(batch_id)):
         pipe.expire(key, ttl)
     await pipe.execute()
-    arq = ArqRedis(connection_pool=redis.connection_pool)
-    await arq.enqueue_job("batch_enqueue", batch_id, _job_id=f"enqueue:{batch_id}",
-                          _queue_name=keys.BATCH_ARQ_QUEUE)
+    job_id = keys.batch_arq_job_id(f"enqueue:{batch_id}")
+    if not is_cluster(redis):
+        arq = ArqRedis(connection_pool=redis.connection_pool)
+        await arq.enqueue_job("batch_enqueue", batch_id, _job_id=job_id,
+                              _queue_name=keys.BATCH_ARQ_QUEUE)
+        return batch_id
+    # arq speaks to one server: the primary of its keys' slot (keys.BATCH_ARQ_TAG).
+    arq = await slot_client(redis, keys.BATCH_ARQ_QUEUE, cls=ArqRedis, decode_responses=False)
+    try:
+        await arq.enqueue_job("batch_enqueue", batch_id, _job_id=job_id,
+                              _queue_name=keys.BATCH_ARQ_QUEUE)
+    finally:
+        await arq.aclose()
     return batch_id
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
+from arq import worker as arq_worker_module
 from arq.connections import ArqRedis, RedisSettings
 from arq.worker import Worker, func
 
@@ -27,7 +28,7 @@ from tidegate import keys
 from tidegate.jobstore import enqueue
 from tidegate.model_files.model_catalog import LoraMismatch, ModelCatalog, ModelNotFound
 from tidegate.protocol import now_ms
-from tidegate.redis_conn import connect
+from tidegate.redis_conn import cluster_nodes, connect, connect_sync, is_cluster_url
 
 log = logging.getLogger("tidegate.batch")
 
@@ -71,7 +72,8 @@ async def batch_enqueue(ctx: dict[str, Any], batch_id: str) -> int:
                 continue
             job = request.to_job(model=choice.model.name, adapter=choice.adapter,
                                  default_timeout_s=0, job_id=line_job_id(batch_id, index))
-            await enqueue(redis, job)
+            await enqueue(redis, job,
+                          partition=keys.job_partition(job.id, ctx.get("tidegate_partitions", 1)))
             # After the entry: a crash in between queues this one line twice, never zero times.
             await redis.hset(keys.batch_enqueued(batch_id), str(index), job.id)
             queued += 1
@@ -165,7 +167,7 @@ def _output(batch_id: str, index: int, custom_id: str, job_status: str, result: 
 async def _next_round(ctx: dict[str, Any], batch_id: str, round_: int) -> None:
     arq: ArqRedis = ctx["redis"]
     await arq.enqueue_job("batch_collect", batch_id, round_,
-                          _job_id=f"collect:{batch_id}:{round_}", _defer_by=COLLECT_EVERY_S,
+                          _job_id=keys.batch_arq_job_id(f"collect:{batch_id}:{round_}"), _defer_by=COLLECT_EVERY_S,
                           _queue_name=keys.BATCH_ARQ_QUEUE)
 
 
@@ -181,7 +183,7 @@ def redis_check(redis_url: str) -> Callable[[], str | None]:
     """Readiness for the batch worker's status port: Redis answers a PING within 2 s."""
     import redis as sync_redis
 
-    client = sync_redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+    client = connect_sync(redis_url, socket_timeout=2, socket_connect_timeout=2)
 
     def check() -> str | None:
         try:
@@ -193,15 +195,37 @@ def redis_check(redis_url: str) -> Callable[[], str | None]:
     return check
 
 
-def make_worker(redis_url: str, catalog: ModelCatalog, *, burst: bool = False) -> Worker:
+def arq_settings(redis_url: str) -> RedisSettings:
+    """Where arq runs: the server, or on a cluster the primary serving arq's slot now
+    (``keys.BATCH_ARQ_TAG``; after a failover arq's connection breaks, and the batch worker
+    starts again, here, on the new primary)."""
+    if not is_cluster_url(redis_url):
+        return RedisSettings.from_dsn(redis_url)
+    # arq's worker finishes a job with a MULTI that also clears the job from arq's abort set,
+    # a fixed key of another slot; tidegate never aborts arq jobs, so that set moves into arq's
+    # slot with the rest (arq reads the name from its module at call time).
+    arq_worker_module.abort_jobs_ss = keys.BATCH_ARQ_ABORT
+    _, options = cluster_nodes(redis_url)
+    cluster = connect_sync(redis_url, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        node = cluster.get_node_from_key(keys.BATCH_ARQ_QUEUE)
+    finally:
+        cluster.close()
+    return RedisSettings(host=node.host, port=node.port, username=options.get("username"),
+                         password=options.get("password"), ssl=bool(options.get("ssl")))
+
+
+def make_worker(redis_url: str, catalog: ModelCatalog, *, burst: bool = False,
+                partitions: int = 1) -> Worker:
     """The arq worker that runs batches (``tidegate batch-worker``) on ``catalog``'s models."""
     return Worker(
         functions=[func(batch_enqueue, timeout=STEP_TIMEOUT_S, max_tries=1000),
                    func(batch_collect, timeout=STEP_TIMEOUT_S, max_tries=1000)],
         queue_name=keys.BATCH_ARQ_QUEUE,
-        redis_settings=RedisSettings.from_dsn(redis_url),
+        redis_settings=arq_settings(redis_url),
         on_startup=_startup, on_shutdown=_shutdown,
-        ctx={"tidegate_redis_url": redis_url, "tidegate_catalog": catalog},
+        ctx={"tidegate_redis_url": redis_url, "tidegate_catalog": catalog,
+             "tidegate_partitions": partitions},
         burst=burst, max_jobs=4, keep_result=60, poll_delay=0.2,
         handle_signals=True,
     )

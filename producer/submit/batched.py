@@ -9,6 +9,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from tidegate.redis_conn import is_cluster
+
 
 class Batched:
     """The Redis client as the submit path uses it: the commands that concurrent submits make
@@ -26,6 +28,7 @@ class Batched:
 
     def __init__(self, redis: aioredis.Redis):
         self._redis = redis
+        self.tidegate_cluster = is_cluster(redis)  # what it wraps (tidegate.redis_conn)
         self._waiting: list[_Command] = []
         self._sender: asyncio.Task[None] | None = None
 
@@ -87,7 +90,10 @@ class Batched:
             return
         pipe = self._redis.pipeline(transaction=False)
         for command in batch:
-            getattr(pipe, command.method)(*command.args, **command.kwargs)
+            if command.method == "evalsha":  # what evalsha sends; a cluster pipeline lacks it
+                pipe.execute_command("EVALSHA", *command.args, **command.kwargs)
+            else:
+                getattr(pipe, command.method)(*command.args, **command.kwargs)
         try:
             answers = await pipe.execute(raise_on_error=False)
         except RedisError as exc:

@@ -31,6 +31,7 @@ from producer.submit.idempotency import Claim, ClaimInProgress
 from producer.submit.prefix_routing import PrefixRouting
 from producer.submit.rate_limit import RateLimiter
 from producer.submit.refusal import Refusal, validated
+from tidegate import keys
 from tidegate.adapter_registry import AdapterRegistry
 from tidegate.events.event_hub import EventHub
 from tidegate.http.auth import Auth, new_stream_token, token_hash
@@ -219,6 +220,8 @@ class SubmitPath:
         # A fresh job id (uuid4) has no record yet, so this always enqueues. Batched stands in
         # for the client: enqueue sends one EVALSHA (or SCRIPT LOAD first, straight through).
         where = await enqueue(self._submit_redis(), job,  # type: ignore[arg-type]
+                              partition=keys.job_partition(job.id,
+                                                           self.settings.lane_partitions),
                               ttl_s=self.settings.job_ttl_s, owner=tenant,
                               stream_token_hash=hashed, routed_to=route.worker_id)
         if route.worker_id is not None and where == 1:

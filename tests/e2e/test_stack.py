@@ -1,4 +1,5 @@
-"""The whole stack through real processes: `tidegate up` (API + gateway + worker) on a real Redis.
+"""The whole stack through real processes: `tidegate up` (API + gateway + worker) on a real Redis:
+one redis-server, and a Redis Cluster of 3 masters and 3 replicas (every test runs on both).
 
 Drives it as users do: the Python client, a raw WebSocket client, and the `tidegate` CLI.
 """
@@ -17,6 +18,7 @@ import websockets
 
 from producer.client import Client
 from tests.conftest import RedisServer
+from tests.redis_cluster import ClusterServers
 from tests.stack_process import TIDEGATE, cli, run_batch, tidegate_up
 from tidegate.operations.queue_stats import ROUTED
 
@@ -24,9 +26,17 @@ pytestmark = pytest.mark.slow
 
 
 
+@pytest.fixture(scope="module", params=["server", "cluster"])
+def backend(request: pytest.FixtureRequest) -> RedisServer | ClusterServers:
+    """Every test here runs on one redis-server and on a Redis Cluster (3 masters, 3
+    replicas: ``tidegate up --redis-url redis+cluster://...``)."""
+    return request.getfixturevalue("redis_server" if request.param == "server"
+                                   else "redis_cluster")
+
+
 @pytest.fixture(scope="module")
-def stack(redis_server: RedisServer) -> Iterator[str]:
-    with tidegate_up(redis_server) as url:
+def stack(backend: RedisServer | ClusterServers) -> Iterator[str]:
+    with tidegate_up(backend) as url:
         yield url
 
 
@@ -164,12 +174,12 @@ def test_official_openai_client_against_the_real_worker(stack: str) -> None:
 
 
 def test_queue_stats_shows_the_live_worker_and_the_backlog(
-        stack: str, redis_server: RedisServer) -> None:
+        stack: str, backend: RedisServer | ClusterServers) -> None:
     jobs = [httpx.post(f"{stack}/v1/jobs", json={"prompt": f"Count to {n}.", "max_tokens": 64,
                                                  "lane": "batch"}, timeout=30)
             for n in range(6)]
     assert all(r.status_code in (200, 201, 202) for r in jobs), [r.text for r in jobs]
-    out = cli("queue", "stats", "--json", "--redis-url", redis_server.url)
+    out = cli("queue", "stats", "--json", "--redis-url", backend.url)
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)
     assert {lane["lane"] for lane in stats["lanes"]} == {"interactive", "batch"}
@@ -184,7 +194,7 @@ def test_queue_stats_shows_the_live_worker_and_the_backlog(
     assert len(stats["workers"]) == 1  # its heartbeat: running, waiting, tok/s, KV usage
     worker = stats["workers"][0]
     assert 0 <= worker["kv_usage"] <= 1 and worker["running"] >= 0
-    table = cli("queue", "stats", "--redis-url", redis_server.url)
+    table = cli("queue", "stats", "--redis-url", backend.url)
     assert table.returncode == 0, table.stderr
     assert "batch" in table.stdout and "workers: 1 live" in table.stdout
     assert " rtd " in table.stdout  # the routed row
@@ -199,11 +209,12 @@ def test_queue_stats_errors_exit_with_a_message() -> None:
     assert "hunter2" not in out.stderr and "Traceback" not in out.stderr
 
 
-def test_up_runs_batches(stack: str, redis_server: RedisServer, tmp_path) -> None:  # noqa: ANN001
+def test_up_runs_batches(stack: str, backend: RedisServer | ClusterServers,
+                        tmp_path) -> None:  # noqa: ANN001
     lines = [{"custom_id": f"q{i}", "body": {"messages": [
         {"role": "user", "content": f"What is {i} plus {i}?"}], "max_tokens": 8}}
         for i in range(12)]
-    rows = run_batch(lines, redis_server.url, tmp_path)
+    rows = run_batch(lines, backend.url, tmp_path)
     assert [r["custom_id"] for r in rows] == [f"q{i}" for i in range(12)]
     assert all(r["error"] is None and r["response"]["body"]["text"] for r in rows)
 

@@ -14,7 +14,6 @@ import os
 import re
 import sys
 import time
-import urllib.parse
 from collections.abc import Sequence
 
 from tidegate import __version__
@@ -627,9 +626,9 @@ def _batch_redis(args: argparse.Namespace):  # -> (Settings, redis)
 
 def _redis_failure(settings, exc: Exception, what: str = "cannot reach Redis") -> CliError:  # noqa: ANN001
     """Exit 1 naming the host and port only: the URL may hold a password."""
-    where = urllib.parse.urlsplit(settings.redis_url)
-    return CliError(f"{what} at {where.hostname}:{where.port or 6379} "
-                    f"({type(exc).__name__}: {exc})", EXIT_FAILED)
+    netloc = settings.redis_url.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
+    where = netloc if ":" in netloc or "," in netloc else f"{netloc}:6379"
+    return CliError(f"{what} at {where} ({type(exc).__name__}: {exc})", EXIT_FAILED)
 
 
 def _batch_id(raw: str) -> str:
@@ -732,7 +731,8 @@ def cmd_batch_worker(args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                make_worker(settings.redis_url, catalog).run()  # returns on SIGTERM / SIGINT
+                make_worker(settings.redis_url, catalog,  # returns on SIGTERM / SIGINT
+                            partitions=settings.lane_partitions).run()
                 return 0
             except (RedisError, OSError) as exc:
                 # arq's worker ends when its Redis connection breaks (a Redis restart): start a

@@ -28,7 +28,7 @@ import redis
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
 from tidegate.model_files.served_model import served_models
-from tidegate.redis_conn import redacted
+from tidegate.redis_conn import connect, connect_sync, redacted
 from tidegate.settings import Settings
 
 log = logging.getLogger("tidegate.up")
@@ -41,7 +41,7 @@ def free_port() -> int:
 
 
 def _wait_for_redis(url: str, timeout_s: float = 10.0) -> None:
-    client = redis.Redis.from_url(url)
+    client = connect_sync(url)
     deadline = time.monotonic() + timeout_s
     try:
         while True:
@@ -171,7 +171,7 @@ def _spawn_worker(settings: Settings) -> subprocess.Popen:
 
 def _spawn_batch_worker(settings: Settings) -> subprocess.Popen | None:
     """The arq batch worker, where Redis can run it (arq needs INFO, which fakeredis lacks)."""
-    client = redis.Redis.from_url(settings.redis_url)
+    client = connect_sync(settings.redis_url)
     try:
         client.info("server")
     except redis.exceptions.RedisError:
@@ -190,7 +190,7 @@ def _spawn_batch_worker(settings: Settings) -> subprocess.Popen | None:
 async def _wait_for_worker(settings: Settings, proc: subprocess.Popen) -> bool:
     """True once a worker heartbeats; False if the child died first. An unreachable Redis is
     waited out (the worker and the API wait for it too), warned about once."""
-    client = redis.asyncio.Redis.from_url(settings.redis_url)
+    client = connect(settings.redis_url)
     warned = False
     try:
         while proc.poll() is None:

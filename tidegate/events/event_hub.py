@@ -35,6 +35,7 @@ from redis.exceptions import RedisError
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
 from tidegate.events.event_feed import FeedEvent, stored_events
+from tidegate.events.live_pubsub import ShardedPubSub, live_pubsub
 
 log = logging.getLogger("tidegate.hub")
 
@@ -238,7 +239,7 @@ class EventHub:
         self.poll_s = poll_s
         self._topics: dict[str, _Topic] = {}  # job id -> topic
         self._channels: dict[str, _Channel] = {}  # subscribed (or subscribing) live channels
-        self._pubsub: PubSub | None = None
+        self._pubsub: PubSub | ShardedPubSub | None = None
         self._subscribed = asyncio.Event()  # the reader has something to read
         self._command_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
@@ -254,7 +255,7 @@ class EventHub:
         return sum(len(t.watchers) for t in self._topics.values())
 
     async def start(self) -> None:
-        self._pubsub = self.redis.pubsub()
+        self._pubsub = live_pubsub(self.redis)
         self._tasks = [asyncio.create_task(self._read(), name="hub-reader"),
                        asyncio.create_task(self._poll(), name="hub-poller")]
 
@@ -375,7 +376,7 @@ class EventHub:
         meanwhile is in the streams; the poller finds it (every topic counts as quiet)."""
         self.connected = False
         log.warning("pub/sub connection lost (%s); reconnecting", type(exc).__name__)
-        old, self._pubsub = self._pubsub, self.redis.pubsub()
+        old, self._pubsub = self._pubsub, live_pubsub(self.redis, fresh=True)
         if old is not None:
             with contextlib.suppress(Exception):
                 await old.aclose()

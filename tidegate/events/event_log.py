@@ -14,22 +14,40 @@ space), so a subscriber routes an event without parsing its JSON.
 ``EventBatch`` collects one write: events, job-hash fields (status, result, error), acks of
 lane-stream entries. ``EventLog.write`` runs it as one script: the events are stored, then the
 hashes updated, then the new events published (stream before channel: followers treat the
-stream as the truth), then the entries acked (never ack what is not stored) and each acked lane stream trimmed
-below its consumer groups' oldest unacknowledged entry (``XTRIM MINID``: acknowledged entries
-are never needed again, and nothing pending or unread is dropped). A script touches
-keys of many jobs, which a single Redis (or fakeredis) allows and a Redis Cluster does not:
-there a batch would be split by slot (one call per job, or per node as a pipeline).
+stream as the truth), then the entries acked (never ack what is not stored) and each acked lane
+stream trimmed below its consumer groups' oldest unacknowledged entry (``XTRIM MINID``:
+acknowledged entries are never needed again, and nothing pending or unread is dropped). A script
+touches keys of many jobs, which a single Redis (or fakeredis) allows and a Redis Cluster does
+not: there the batch is split by primary in the same order (``EventLog._write_by_node``: one
+script per primary over its jobs' slots; SPUBLISH on the shard channels; one script per primary
+over its acked streams).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    RedisClusterException,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tidegate import keys
+from tidegate.redis_conn import is_cluster
 
 EVENT_FIELD = "e"  # the one field of an event stream entry: the event's JSON
 
@@ -101,12 +119,14 @@ end
 #   acks:     lines "stream\tentry id[\tjob]"; each stream is then trimmed below the oldest
 #             entry some consumer group still needs (pending, or not yet delivered).
 #   messages: live lines; each line's event is stored first, and only the events stored by
-#             this call (not duplicates) are published.
-# Returns {the number of events already stored (skipped), the fenced jobs' ids...}.
+#             this call (not duplicates) are published. The channel "-" publishes nothing: the
+#             lines stored are returned instead, for the caller to publish (a cluster, below).
+# Returns {the number of events already stored (skipped), the unpublished lines stored (joined
+# by newlines), the fenced jobs' ids...}.
 _WRITE_LUA = _TRIM_ACKED_LUA + COMPACT_LUA + """
 local hp, hs, es, ttl, maxlen, group = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local dup = 0
-local lost, lost_ids = {}, {}
+local lost, lost_ids, unpublished = {}, {}, {}
 for job in string.gmatch(ARGV[11], '[^\\n]+') do
   if redis.call('HGET', hp .. job .. hs, 'worker') ~= ARGV[10] then
     lost[job] = true
@@ -139,7 +159,9 @@ for i = 12, #ARGV, 2 do
       fresh[#fresh + 1] = line
     end
   end
-  if all then
+  if ARGV[i] == '-' then
+    for _, line in ipairs(fresh) do unpublished[#unpublished + 1] = line end
+  elseif all then
     redis.call('PUBLISH', ARGV[i], ARGV[i + 1])
   elseif #fresh > 0 then
     redis.call('PUBLISH', ARGV[i], table.concat(fresh, '\\n'))
@@ -162,8 +184,28 @@ for line in string.gmatch(ARGV[9], '[^\\n]+') do
   end
 end
 for stream in pairs(acked) do trim_acked(stream) end
-return {dup, unpack(lost_ids)}
+return {dup, table.concat(unpublished, '\\n'), unpack(lost_ids)}
 """
+
+
+# On a cluster: the same script over the keys of several slots of one primary (Redis 7 lets
+# a script so flagged touch any of the node's slots; it fails on a key the node does not serve).
+_NODE_WRITE_LUA = "#!lua flags=allow-cross-slot-keys\n" + _WRITE_LUA
+_NODE_WRITE_SHA = hashlib.sha1(_NODE_WRITE_LUA.encode()).hexdigest()
+# Failures of a cluster write's call that mean "the map moved": read it again, send again.
+_MOVING = (RedisConnectionError, RedisTimeoutError, ClusterDownError, MovedError, AskError,
+           TryAgainError, SlotNotCoveredError, RedisClusterException)
+_RETRIES = 8
+
+
+@dataclass(slots=True)
+class _JobPart:
+    """One job's share of a batch written on a cluster."""
+
+    statuses: list[str] = field(default_factory=list)
+    expires: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    owned: bool = False
 
 
 def entry_id(event_id: int) -> str:
@@ -267,8 +309,118 @@ class EventLog:
         for shard, lines in enumerate(batch.lines):
             if lines:
                 args += (keys.live_channel(shard), "\n".join(lines))
-        dup, *lost = await self._script(args=args)
+        if is_cluster(self.redis):
+            return await self._write_by_node(batch)
+        dup, _, *lost = await self._script(args=args)
         return Written(int(dup), [str(job) for job in lost])
+
+    def _head(self) -> list[str | int]:
+        return [_HASH_PREFIX, _HASH_SUFFIX, _EVENTS_SUFFIX, self.ttl_s, self.maxlen,
+                keys.CONSUMER_GROUP]
+
+    async def _write_by_node(self, batch: EventBatch) -> Written:
+        """The batch on a cluster. One script may not touch two primaries, so the batch goes
+        in one script per primary, all at once: the parts (events, fields, TTLs, fence) of the
+        jobs whose slots it serves (slots of one primary may share a script declared
+        ``allow-cross-slot-keys``); then, together, the stored events published with SPUBLISH
+        on their shard channels and the acks, one script per primary over the lane streams it
+        serves. What the single-server order guarantees holds: nothing is published or acked
+        before it is stored; a fenced job's entry is not acked. A node's script costs about what the one script costs a
+        single server, so the shards' work adds up instead of multiplying per job."""
+        parts: dict[str, _JobPart] = {}
+        for line in batch.statuses:
+            parts.setdefault(line.split("\t", 1)[0], _JobPart()).statuses.append(line)
+        for job, ttl in batch.expires:
+            parts.setdefault(job, _JobPart()).expires.append(
+                f"{job} {self.ttl_s}" if ttl is None else f"{job} {ttl} final")
+        for job in batch.owned:
+            parts.setdefault(job, _JobPart()).owned = True
+        for lines in batch.lines:
+            for line in lines:
+                parts.setdefault(line.split(" ", 1)[0], _JobPart()).lines.append(line)
+
+        def jobs_args(group: list[tuple[str, _JobPart]]) -> list[str | int]:
+            return [*self._head(), "\n".join(s for _, p in group for s in p.statuses),
+                    "\n".join(e for _, p in group for e in p.expires), "",
+                    self.owner or "-", "\n".join(job for job, p in group if p.owned),
+                    "-", "\n".join(line for _, p in group for line in p.lines)]
+
+        dup, lost = 0, set()
+        live: list[list[str]] = [[] for _ in range(keys.LIVE_SHARDS)]
+        units = [(keys.job_hash(job), (job, part)) for job, part in parts.items()]
+        for found, stored, *lost_jobs in await self._by_node(units, jobs_args):
+            dup += int(found)
+            lost.update(str(job) for job in lost_jobs)
+            for line in filter(None, str(stored).split("\n")):
+                live[keys.live_shard(line.split(" ", 1)[0])].append(line)
+        acks = []
+        for line in batch.acks:
+            stream, message_id, *job = line.split("\t")
+            if not (job and job[0] in lost):
+                acks.append((stream, f"{stream}\t{message_id}"))
+        # Both only after the store; between themselves no order matters: one round trip.
+        await asyncio.gather(self._publish(live), self._by_node(
+            acks, lambda group: [*self._head(), "", "", "\n".join(group), "-", ""]))
+        return Written(dup, sorted(lost))
+
+    async def _publish(self, live: list[list[str]]) -> None:
+        """SPUBLISH each shard channel's lines (the client sends each node its share)."""
+        if any(live):
+            pipe = self.redis.pipeline(transaction=False)
+            for shard, lines in enumerate(live):
+                if lines:
+                    pipe.execute_command("SPUBLISH", keys.live_channel(shard), "\n".join(lines))
+            await pipe.execute()
+
+    async def _by_node(self, units: list[tuple[str, Any]],
+                       args: Callable[[list[Any]], list[str | int]]) -> list[list[object]]:
+        """The write script once per primary, over the units whose key it serves (``args``
+        makes a script's arguments from its units), all primaries at once. A primary's call
+        that failed is sent again, regrouped: after loading the script where a node lost its
+        cache (a replica promoted, a restart), or, through a failover or a slot moving, after
+        reading the slot map again, a quarter of a second apart; what still fails is raised
+        (the worker holds the batch and re-sends it: stored events are never stored twice)."""
+        replies: list[list[object]] = []
+        todo = units
+        if not todo:
+            return replies
+        for attempt in range(_RETRIES + 1):
+            await self.redis.initialize()  # reads the slot map when it was marked stale
+            groups: dict[str, tuple[Any, list[tuple[str, Any]]]] = {}
+            for key, unit in todo:
+                node = self.redis.get_node_from_key(key)
+                groups.setdefault(node.name, (node, []))[1].append((key, unit))
+            answers = await asyncio.gather(*(
+                # One key declared: the node checks it serves that slot before running (a
+                # stale map gets MOVED, nothing written); the script checks the others.
+                self.redis.execute_command("EVALSHA", _NODE_WRITE_SHA, 1, group[0][0],
+                                           *args([u for _, u in group]), target_nodes=node)
+                for node, group in groups.values()), return_exceptions=True)
+            failed: list[tuple[str, Any]] = []
+            error: BaseException | None = None
+            for (_, group), answer in zip(groups.values(), answers, strict=True):
+                if not isinstance(answer, BaseException):
+                    replies.append(answer)
+                elif _retryable(answer) and attempt < _RETRIES:
+                    failed += group
+                    error = answer
+                else:
+                    raise answer
+            if not failed:
+                return replies
+            if isinstance(error, NoScriptError):
+                await self.redis.script_load(_NODE_WRITE_LUA)  # on every primary
+            else:
+                self.redis.reread_slots()  # before the next try (tidegate.cluster_client)
+                await asyncio.sleep(0.25)
+            todo = failed
+        raise AssertionError("unreachable")
+
+
+def _retryable(error: BaseException) -> bool:
+    """A cluster write's call that failed this way is sent again (``EventLog._by_node``)."""
+    return isinstance(error, (NoScriptError, *_MOVING)) or (
+        isinstance(error, ResponseError) and "non local key" in str(error))
 
 
 def add_event(pipe: aioredis.client.Pipeline, job_id: str, raw: str, *,
@@ -279,8 +431,9 @@ def add_event(pipe: aioredis.client.Pipeline, job_id: str, raw: str, *,
     pipe.xadd(keys.job_events(job_id), {EVENT_FIELD: raw}, id=entry_id(int(event["id"])),
               maxlen=keys.EVENTS_MAXLEN, approximate=True)
     pipe.expire(keys.job_events(job_id), ttl_s)
-    pipe.publish(keys.job_live_channel(job_id), live_line(job_id, int(event["id"]),
-                                                          event["type"], raw))
+    # Sharded on a cluster (redis-py's cluster pipeline has no method for it: the command).
+    pipe.execute_command("SPUBLISH" if is_cluster(pipe) else "PUBLISH", keys.job_live_channel(
+        job_id), live_line(job_id, int(event["id"]), event["type"], raw))
 
 
 async def write_events(redis: aioredis.Redis, events: list[str], *,

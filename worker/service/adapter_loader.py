@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from tidegate import adapter_registry, keys
 from tidegate.adapter_registry import AdapterAnnouncement
 from tidegate.cancelling import cancel_and_wait
+from tidegate.redis_conn import control_pubsub
 from worker.engine.engine import Engine
 
 log = logging.getLogger("tidegate.worker")
@@ -113,23 +114,20 @@ class AdapterLoader:
 
     async def _listen(self) -> None:
         while not self._stopping:
-            pubsub = self.redis.pubsub()
             try:
-                await pubsub.subscribe(keys.ADAPTER_CHANNEL)
-                while not self._stopping:
-                    msg = await pubsub.get_message(timeout=1.0)
-                    if msg is None:
-                        continue
-                    if msg["type"] == "subscribe":  # what was announced while we were away
-                        self._spawn(self._load_registered_quietly())
-                    elif msg["type"] == "message":
-                        self._announced(msg["data"])
+                async with control_pubsub(self.redis) as pubsub:
+                    await pubsub.subscribe(keys.ADAPTER_CHANNEL)
+                    while not self._stopping:
+                        msg = await pubsub.get_message(timeout=1.0)
+                        if msg is None:
+                            continue
+                        if msg["type"] == "subscribe":  # what was announced while we were away
+                            self._spawn(self._load_registered_quietly())
+                        elif msg["type"] == "message":
+                            self._announced(msg["data"])
             except (RedisError, OSError) as exc:
                 log.warning("adapter subscription lost (%s); resubscribing", exc)
                 await asyncio.sleep(RETRY_S)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
 
     def _announced(self, data: str) -> None:
         try:

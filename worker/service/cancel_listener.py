@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
 from tidegate.jobstore import cancel_requested
+from tidegate.redis_conn import control_pubsub
 
 log = logging.getLogger("tidegate.worker")
 
@@ -60,24 +61,21 @@ class CancelListener:
 
     async def _listen(self) -> None:
         while not self._stopping:
-            pubsub = self.redis.pubsub()
             try:
-                await pubsub.subscribe(keys.CANCEL_CHANNEL)
-                while not self._stopping:
-                    msg = await pubsub.get_message(timeout=1.0)
-                    if msg is None:
-                        continue
-                    if msg["type"] == "subscribe":
-                        self.ready.set()
-                        self._sweep_now.set()  # whatever was sent while we were away
-                    elif msg["type"] == "message":
-                        self._requested.add(msg["data"])
+                async with control_pubsub(self.redis) as pubsub:
+                    await pubsub.subscribe(keys.CANCEL_CHANNEL)
+                    while not self._stopping:
+                        msg = await pubsub.get_message(timeout=1.0)
+                        if msg is None:
+                            continue
+                        if msg["type"] == "subscribe":
+                            self.ready.set()
+                            self._sweep_now.set()  # whatever was sent while we were away
+                        elif msg["type"] == "message":
+                            self._requested.add(msg["data"])
             except (RedisError, OSError) as exc:
                 log.warning("cancel subscription lost (%s); resubscribing", exc)
                 await asyncio.sleep(RETRY_S)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
 
     async def _sweep(self) -> None:
         while not self._stopping:

@@ -22,6 +22,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from tidegate import keys
 from tidegate.jobstore import JOB_FIELD
 from tidegate.protocol import Job
+from tidegate.redis_conn import is_cluster
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,9 @@ _STEAL_SHA = hashlib.sha1(_STEAL_LUA.encode()).hexdigest()
 
 # How long the list of the model's routed streams is trusted before it is read again.
 ROUTED_LIST_S = 1.0
+# On a Redis Cluster, the longest an idle worker's blocking read waits on one of its streams
+# before it waits on the next.
+CLUSTER_BLOCK_SLICE_MS = 20
 
 
 class StreamIntake:
@@ -104,6 +108,8 @@ class StreamIntake:
             ([keys.routed_stream(model, lane, consumer)] if routing else [])
             + [keys.lane_stream(model, lane, p) for p in range(partitions)])]
         self._empty = False  # the last read found nothing
+        self.cluster = is_cluster(redis)
+        self._turn = 0  # on a cluster: the stream the next blocking read waits on
         self._others: list[str] = []  # other workers' routed streams, interactive lane first
         self._others_at = -ROUTED_LIST_S
         self.taken: Counter[str] = Counter()  # via (routed, shared, stolen, reclaimed) -> jobs
@@ -164,7 +170,15 @@ class StreamIntake:
                     break
                 got += await self._read({stream: ">"}, count - len(got), None)
         if not got and block_ms > 0:
-            got = await self._read({s: ">" for s in self.streams}, 1, block_ms)
+            if self.cluster:
+                # One XREADGROUP may name streams of one slot only: wait on each stream in
+                # turn, a short slice each, so a job on any of them waits at most about
+                # slice x (streams - 1) for an idle worker.
+                stream = self.streams[self._turn % len(self.streams)]
+                self._turn += 1
+                got = await self._read({stream: ">"}, 1, min(block_ms, CLUSTER_BLOCK_SLICE_MS))
+            else:
+                got = await self._read({s: ">" for s in self.streams}, 1, block_ms)
         self._empty = not got
         return self._count(got)
 
