@@ -35,6 +35,7 @@ from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster as SyncRedisCluster
+from redis.exceptions import AskError, ClusterDownError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
@@ -122,6 +123,13 @@ def connect_sync(url: str, **options: Any) -> redis.Redis | SyncRedisCluster:
                                 retry=SyncRetry(ExponentialBackoff(cap=2.0, base=0.05), 3),
                                 **auth, **options)
     return redis.Redis.from_url(url, **options)
+
+
+def is_transient(error: BaseException) -> bool:
+    """A Redis failure that waiting cures: the server or a node unreachable or loading, or a
+    cluster mid-failover (down, a slot moving); not a refusal of the command itself."""
+    return isinstance(error, (RedisConnectionError, RedisTimeoutError, ClusterDownError,
+                              TryAgainError, AskError, SlotNotCoveredError))
 
 
 def is_cluster(client: object) -> bool:

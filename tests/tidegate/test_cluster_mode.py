@@ -57,6 +57,27 @@ def test_cluster_urls_name_their_seed_nodes_and_credentials() -> None:
     assert redacted("redis://h:6379/0") == "redis://h:6379/0"
 
 
+def test_only_failures_that_waiting_cures_count_as_transient() -> None:
+    from redis.exceptions import (
+        ClusterDownError,
+        ConnectionError,
+        MovedError,
+        ResponseError,
+        TimeoutError,
+        TryAgainError,
+    )
+
+    from tidegate.redis_conn import is_transient
+
+    for error in (ConnectionError("refused"), TimeoutError("slow"), ClusterDownError("down"),
+                  TryAgainError("again"), MovedError("3999 127.0.0.1:6381")):
+        assert is_transient(error), error
+    # A refusal of the command itself (a lane key that is not a stream) is not: a worker that
+    # retried it would hang silently instead of dying loudly for its supervisor.
+    assert not is_transient(ResponseError("WRONGTYPE Operation against a key holding the wrong "
+                                          "kind of value"))
+
+
 def test_a_malformed_cluster_url_is_refused_naming_the_setting() -> None:
     with pytest.raises(ValidationError, match="redis_url"):
         Settings(redis_url="redis+cluster://a:notaport")

@@ -28,6 +28,7 @@ from tidegate.events.event_feed import stored_events
 from tidegate.events.event_log import last_event_id
 from tidegate.jobstore import Claim, claim_many
 from tidegate.protocol import Job, now_ms
+from tidegate.redis_conn import is_transient
 from worker.engine.engine import Engine
 from worker.service.adapter_loader import AdapterLoader
 from worker.service.intake import Delivery, StreamIntake
@@ -100,13 +101,14 @@ class ArrivalIntake:
             try:
                 await self._once()
                 self.ok = True
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                # Redis came back without our streams (no persistence): set them up again.
-                log.warning("consumer group missing; recreating it")
-                await self._ensure_groups()
             except RedisError as exc:
+                if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+                    # Redis came back without our streams (no persistence): set them up again.
+                    log.warning("consumer group missing; recreating it")
+                    await self._ensure_groups()
+                    continue
+                if not is_transient(exc):
+                    raise  # a refusal that waiting will not cure (WRONGTYPE): the intake dies
                 log.warning("redis unavailable (%s); retrying", exc)
                 self.ok = False
                 await asyncio.sleep(RETRY_S)
@@ -115,7 +117,9 @@ class ArrivalIntake:
         while True:
             try:
                 return await self.streams.ensure_groups()
-            except RedisError:
+            except RedisError as exc:
+                if not is_transient(exc):
+                    raise  # e.g. a lane key that is not a stream: retrying would hang silently
                 await asyncio.sleep(RETRY_S)
 
     def step_ended(self) -> None:
