@@ -26,6 +26,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, NodesManager, RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 # Set while redis-py runs a command of this task: an aclose() then comes from redis-py.
 _running: ContextVar[bool] = ContextVar("tidegate_cluster_running", default=False)
@@ -40,6 +41,19 @@ class ClusterClient(RedisCluster):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.nodes_manager.__class__ = _Nodes  # only set_nodes differs
+        self._refresh_lock = asyncio.Lock()
+
+    async def refresh_slots(self) -> None:
+        """Read the slot map again now (after a failover the client learns it only when a
+        command of its own fails): for the connections tidegate keeps outside this client
+        (pub/sub, arq). One refresh at a time: two at once corrupt the node table."""
+        async with self._refresh_lock:
+            try:
+                await self.initialize()
+                await self.nodes_manager.initialize()
+            except RuntimeError as exc:  # redis-py's own re-initialization ran meanwhile
+                raise RedisConnectionError(
+                    f"cluster slot map changed while reading it: {exc}") from exc
 
     async def _execute_command(self, target_node: ClusterNode, *args: Any, **kwargs: Any
                                ) -> Any:

@@ -18,10 +18,8 @@ broadcasts to every node: ``control_pubsub`` subscribes through any one node.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import random
-import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -159,12 +157,12 @@ def node_client(cluster: AsyncRedisCluster, host: str, port: int, *,
     return cls(host=host, port=port, **kwargs)
 
 
-async def slot_client(cluster: AsyncRedisCluster, key: str, *,
+async def slot_client(cluster: ClusterClient, key: str, *,
                       cls: type[aioredis.Redis] = aioredis.Redis,
                       **overrides: Any) -> aioredis.Redis:
     """A plain client of the primary serving ``key``'s slot now (read from a fresh slot map):
     for a library that needs one connection for keys of one slot (arq's MULTI)."""
-    await refresh_slots(cluster)
+    await cluster.refresh_slots()
     node = cluster.get_node_from_key(key)
     if node is None:
         raise RedisConnectionError(f"no cluster node serves {key}")
@@ -181,48 +179,25 @@ _NODE_OPTIONS = ("username", "password", "decode_responses", "encoding", "encodi
 @contextlib.asynccontextmanager
 async def control_pubsub(client: AnyRedis) -> AsyncIterator[PubSub]:
     """A classic pub/sub connection for the control channels (cancel, adapter loads), closed
-    on leaving the block. A cluster broadcasts a PUBLISH to every node, so any live primary
-    serves: a random one (read from a fresh slot map, so a failed node is not picked again)
-    spreads the subscribers."""
-    if not isinstance(client, AsyncRedisCluster):
-        pubsub = client.pubsub()
-        try:
-            yield pubsub
-        finally:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()
-        return
-    await client.initialize()  # the map the client has: a dead node found here fails the
-    primaries = client.get_primaries()  # caller's try, its next picks again
-    if not primaries:
-        raise RedisConnectionError("the cluster has no reachable primary")
-    node = random.choice(primaries)
-    plain = node_client(client, node.host, node.port)
-    pubsub = plain.pubsub()
+    on leaving the block. A cluster broadcasts a PUBLISH to every node, so any primary of the
+    client's slot map serves: a random one spreads the subscribers (a dead one fails this try,
+    and the caller's next try picks again, from a map the failure marked stale)."""
+    plain: aioredis.Redis | None = None
+    if isinstance(client, AsyncRedisCluster):
+        await client.initialize()
+        primaries = client.get_primaries()
+        if not primaries:
+            raise RedisConnectionError("the cluster has no reachable primary")
+        node = random.choice(primaries)
+        plain = node_client(client, node.host, node.port)
+    pubsub = (plain or client).pubsub()
     try:
         yield pubsub
     finally:
-        with contextlib.suppress(Exception):
-            await pubsub.aclose()
-        with contextlib.suppress(Exception):
-            await plain.aclose()
-
-
-async def refresh_slots(cluster: AsyncRedisCluster) -> None:
-    """Read the cluster's slot map again (after a failover the client learns it only when a
-    command of its own fails): for the connections tidegate keeps outside the cluster client
-    (pub/sub, arq). One refresh at a time per client: two at once corrupt its node table."""
-    lock = _refresh_locks.setdefault(cluster, asyncio.Lock())
-    async with lock:
-        try:
-            await cluster.initialize()
-            await cluster.nodes_manager.initialize()
-        except RuntimeError as exc:  # the client's own re-initialization ran meanwhile
-            raise RedisConnectionError(f"cluster slot map changed while reading it: {exc}") from exc
-
-
-_refresh_locks: weakref.WeakKeyDictionary[AsyncRedisCluster, asyncio.Lock] = (
-    weakref.WeakKeyDictionary())
+        for closing in (pubsub, plain):
+            if closing is not None:
+                with contextlib.suppress(Exception):
+                    await closing.aclose()
 
 
 def redacted(url: str) -> str:

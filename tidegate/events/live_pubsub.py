@@ -25,7 +25,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from tidegate.cancelling import cancel_and_wait
-from tidegate.redis_conn import AnyRedis, node_client, refresh_slots
+from tidegate.cluster_client import ClusterClient
+from tidegate.redis_conn import AnyRedis, node_client
 
 _TYPES = {"smessage": "message", "ssubscribe": "subscribe", "sunsubscribe": "unsubscribe"}
 
@@ -45,7 +46,10 @@ class ShardedPubSub:
 
     async def _shard(self, channel: str) -> tuple[str, PubSub]:
         if not self._mapped:  # a resubscription reads the slot map again (a failover)
-            await (refresh_slots(self.cluster) if self.fresh else self.cluster.initialize())
+            if self.fresh and isinstance(self.cluster, ClusterClient):
+                await self.cluster.refresh_slots()
+            else:
+                await self.cluster.initialize()
             self._mapped = True
         node = self.cluster.get_node_from_key(channel)
         if node is None:
