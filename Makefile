@@ -9,8 +9,10 @@ STAMP := $(VENV)/.tidegate-installed
 up: setup
 	$(BIN)/tidegate up
 
+# -P: the working directory (the repository root) never goes on sys.path ahead of installed
+# packages; pyproject's --import-mode=append puts it last, for the tests' own helpers.
 test: setup redis-server browser compose-tools
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -P -m pytest -q $(PYTEST_ARGS)
 
 setup: $(STAMP)
 

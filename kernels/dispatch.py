@@ -1,7 +1,7 @@
 """Which implementation serves a kernel call: ``TIDEGATE_KERNELS`` and the tensor's device.
 
 * ``auto`` (default): Triton for CUDA tensors; on the CPU the native C kernels where they apply
-  and build (``kernels.native_cpu``), else the plain-torch reference.
+  and build (``tidegate.kernels.cpu.native_cpu``), else the plain-torch reference.
 * ``reference``: the plain-torch reference everywhere.
 * ``native``: like ``auto``, but the CPU's native kernels must build (tests, benchmarks).
 * ``triton``: Triton everywhere, CPU tensors included; on a machine without a GPU that needs
@@ -16,8 +16,8 @@ import torch
 
 MODES = ("auto", "reference", "native", "triton")
 # Rows up to which a Triton-served projection takes the fused few-row kernel
-# (``kernels/linear_triton.py``) rather than the GEMM library. On an H200 (Llama-3-8B shapes,
-# bf16, ``benchmarks/gemv_sweep.py``) one row beat cuBLAS on every shape (o_proj 3.7 against
+# (``kernels/gpu/linear_triton.py``) rather than the GEMM library. On an H200 (Llama-3-8B shapes,
+# bf16, ``benchmarks/kernels/gemv_sweep.py``) one row beat cuBLAS on every shape (o_proj 3.7 against
 # 2.5 TB/s, a step's projections 3.63 against 4.25 ms); at two rows cuBLAS won on three of five.
 SERVE_ROWS = 1
 

@@ -1,4 +1,4 @@
-"""The entry points models call; each picks its implementation per call (``kernels.dispatch``).
+"""The entry points models call; each picks its implementation per call (``tidegate.kernels.dispatch``).
 
 CUDA tensors go to the Triton kernels (``*_triton.py``, each beside its plain-torch reference);
 CPU tensors to the reference or, where one exists, a native C kernel. Callers never import an
@@ -10,32 +10,31 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from kernels.activation import gelu_and_mul_ref, silu_and_mul_ref
-from kernels.decoder_layer import DecoderWeights, LayerCall
-from kernels.dispatch import SERVE_ROWS, use_triton
-from kernels.fp8_weight import Fp8Weight
-from kernels.int_weight import IntWeight
-from kernels.linear import linear as linear_impl
-from kernels.lora import LoraRows, LoraStack, Norm, add_lora_ref
-from kernels.moe import moe_ref
-from kernels.native_cpu import (
+from tidegate.kernels.cpu.decoder_layer import DecoderWeights, LayerCall
+from tidegate.kernels.cpu.linear import linear as linear_impl
+from tidegate.kernels.cpu.native_cpu import (
     native_kernels,
     rms_norm_applies,
     rotary_store_kv_applies,
     silu_and_mul_applies,
 )
-from kernels.packed_weight import PackedWeight
-from kernels.paged_attention import (
+from tidegate.kernels.cpu.paged_attention import (
     PagedAttentionMetadata,
     PagedLayer,
     paged_decode_attention,
     store_kv_ref,
 )
-from kernels.paged_attention import paged_attention as paged_attention_cpu
-from kernels.rmsnorm import rms_norm_ref
-from kernels.rotary import rotary_ref
-from kernels.token_bitmask import apply_token_bitmask_ref
+from tidegate.kernels.cpu.paged_attention import paged_attention as paged_attention_cpu
+from tidegate.kernels.dispatch import SERVE_ROWS, use_triton
+from tidegate.kernels.reference.activation import gelu_and_mul_ref, silu_and_mul_ref
+from tidegate.kernels.reference.lora import LoraRows, LoraStack, Norm, add_lora_ref
+from tidegate.kernels.reference.moe import moe_ref
+from tidegate.kernels.reference.rmsnorm import rms_norm_ref
+from tidegate.kernels.reference.rotary import rotary_ref
+from tidegate.kernels.reference.token_bitmask import apply_token_bitmask_ref
+from tidegate.kernels.weights.fp8_weight import Fp8Weight
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.kernels.weights.packed_weight import PackedWeight
 
 __all__ = ["add_lora", "apply_token_bitmask", "decoder_layer", "embedding", "fuses_projections",
            "gelu_and_mul", "linear", "lora_rows", "moe", "norm_linear", "norm_project",
@@ -55,9 +54,9 @@ def fuses_projections(x: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight | Fp8Weight,
            add: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ add [M, N], the residual stream's add) -> [M, N].
-    ``weight`` may be packed GGUF blocks (``kernels.packed_weight``; CPU), integers with
-    group scales (``kernels.int_weight``; CPU and Triton, any number of rows) or e4m3 values
-    with row scales (``kernels.fp8_weight``; CPU: weight-only, Triton: W8A8 beyond two rows).
+    ``weight`` may be packed GGUF blocks (``tidegate.kernels.weights.packed_weight``; CPU), integers with
+    group scales (``tidegate.kernels.weights.int_weight``; CPU and Triton, any number of rows) or e4m3 values
+    with row scales (``tidegate.kernels.weights.fp8_weight``; CPU: weight-only, Triton: W8A8 beyond two rows).
     """
     if isinstance(weight, Fp8Weight):
         if use_triton(x):
@@ -65,12 +64,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight | Fp
         return linear_impl(x, weight, add)
     if isinstance(weight, IntWeight):
         if use_triton(x):
-            from kernels.int_linear_triton import int_linear_triton
+            from tidegate.kernels.gpu.int_linear_triton import int_linear_triton
 
             return int_linear_triton(x, weight, add=add)
         return linear_impl(x, weight, add)
     if fuses_projections(x) and not isinstance(weight, PackedWeight):
-        from kernels.linear_triton import skinny_linear_triton
+        from tidegate.kernels.gpu.linear_triton import skinny_linear_triton
 
         return skinny_linear_triton(x, weight, add=add)
     return linear_impl(x, weight, add)
@@ -84,11 +83,11 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     if isinstance(weight, Fp8Weight) and fuses_projections(x):
         return _fp8_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)
     if isinstance(weight, IntWeight) and fuses_projections(x):
-        from kernels.int_linear_triton import int_linear_triton
+        from tidegate.kernels.gpu.int_linear_triton import int_linear_triton
 
         return int_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)
     if fuses_projections(x) and isinstance(weight, torch.Tensor):
-        from kernels.linear_triton import skinny_linear_triton
+        from tidegate.kernels.gpu.linear_triton import skinny_linear_triton
 
         return skinny_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, silu=silu)
     out = linear(rms_norm(x, norm_weight, eps)[0], weight)
@@ -103,8 +102,8 @@ def norm_project(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     (few rows on a GPU fold the norm into the weight stream instead: ``norm_linear``). e4m3
     weights on Triton get the normed rows rounded to e4m3 by the norm kernel itself."""
     if isinstance(weight, Fp8Weight) and _w8a8(hidden):
-        from kernels.fp8_linear_triton import fp8_gemm
-        from kernels.rmsnorm_triton import rms_norm_fp8
+        from tidegate.kernels.gpu.fp8_linear_triton import fp8_gemm
+        from tidegate.kernels.gpu.rmsnorm_triton import rms_norm_fp8
 
         rows, residual = rms_norm_fp8(hidden, norm_weight, eps, residual)
         return fp8_gemm(rows, weight), residual
@@ -117,8 +116,8 @@ def silu_project(gate_up: torch.Tensor,
     """silu_and_mul(gate_up) @ weight.T (the down projection of a step of many rows); e4m3
     weights on Triton get the activation rounded to e4m3 by the SiLU kernel itself."""
     if isinstance(weight, Fp8Weight) and _w8a8(gate_up):
-        from kernels.activation_triton import silu_and_mul_fp8
-        from kernels.fp8_linear_triton import fp8_gemm
+        from tidegate.kernels.gpu.activation_triton import silu_and_mul_fp8
+        from tidegate.kernels.gpu.fp8_linear_triton import fp8_gemm
 
         return fp8_gemm(silu_and_mul_fp8(gate_up), weight)
     return linear(silu_and_mul(gate_up), weight)
@@ -126,7 +125,7 @@ def silu_project(gate_up: torch.Tensor,
 
 def _w8a8(x: torch.Tensor) -> bool:
     """Whether e4m3 weights meet ``x`` in a W8A8 GEMM (Triton, more than a row or two)."""
-    from kernels.linear_triton import MAX_FP8_ROWS
+    from tidegate.kernels.gpu.linear_triton import MAX_FP8_ROWS
 
     return x.dim() == 2 and x.shape[0] > MAX_FP8_ROWS and use_triton(x)
 
@@ -136,12 +135,12 @@ def _fp8_linear_triton(x: torch.Tensor, weight: Fp8Weight, *,
                        silu: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
     """e4m3 weights on Triton: a weight stream (activations unrounded) for a row or two, the
     W8A8 GEMM beyond (no norm prologue there: many-row steps normalize first)."""
-    from kernels.linear_triton import MAX_FP8_ROWS, skinny_linear_triton
+    from tidegate.kernels.gpu.linear_triton import MAX_FP8_ROWS, skinny_linear_triton
 
     if x.shape[0] <= MAX_FP8_ROWS:
         return skinny_linear_triton(x, weight.weight, weight_scale=weight.scales,
                                     norm_weight=norm_weight, eps=eps, silu=silu, add=add)
-    from kernels.fp8_linear_triton import fp8_gemm
+    from tidegate.kernels.gpu.fp8_linear_triton import fp8_gemm
 
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)[0]
@@ -178,7 +177,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new_residual), new_residual = x + residual (or x); see ``rms_norm_ref``."""
     if use_triton(x):
-        from kernels.rmsnorm_triton import rms_norm_triton
+        from tidegate.kernels.gpu.rmsnorm_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual)
     if rms_norm_applies(x, weight, residual):
@@ -191,7 +190,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: tor
     """q [T, Hq, D], k [T, Hk, D] rotated by their positions. The Triton kernel rotates in place
     and returns its inputs; callers use the returned tensors either way."""
     if use_triton(q):
-        from kernels.rotary_triton import rotary_triton
+        from tidegate.kernels.gpu.rotary_triton import rotary_triton
 
         return rotary_triton(q, k, positions, cache)
     return rotary_ref(q, k, positions, cache)
@@ -203,7 +202,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     """``rotary`` then ``store_kv`` of the rotated keys and the values: one launch on Triton.
     Returns the rotated (q, k)."""
     if use_triton(q):
-        from kernels.rotary_triton import rotary_store_kv_triton
+        from tidegate.kernels.gpu.rotary_triton import rotary_store_kv_triton
 
         return rotary_store_kv_triton(q, k, v, positions, cache, key_cache, value_cache,
                                       slot_mapping)
@@ -218,7 +217,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] (gate then up) -> silu(gate) * up [T, I]."""
     if use_triton(x):
-        from kernels.activation_triton import silu_and_mul_triton
+        from tidegate.kernels.gpu.activation_triton import silu_and_mul_triton
 
         return silu_and_mul_triton(x)
     if silu_and_mul_applies(x):
@@ -229,7 +228,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] (gate then up) -> gelu_tanh(gate) * up [T, I] (GeGLU)."""
     if use_triton(x):
-        from kernels.activation_triton import gelu_and_mul_triton
+        from tidegate.kernels.gpu.activation_triton import gelu_and_mul_triton
 
         return gelu_and_mul_triton(x)
     return gelu_and_mul_ref(x)
@@ -237,7 +236,7 @@ def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def lora_rows(index: torch.Tensor, num_adapters: int) -> LoraRows:
     """The step's ``LoraRows`` for index [T] (values in [NO_ADAPTER, num_adapters), unchecked:
-    checking would read back to the host). Where Triton serves (``kernels.dispatch``: CUDA,
+    checking would read back to the host). Where Triton serves (``tidegate.kernels.dispatch``: CUDA,
     or ``TIDEGATE_KERNELS=triton``) the rows are also sorted by adapter on the device, once,
     with nothing read back, so a decode step with adapters can be captured in a CUDA graph."""
     if index.dim() != 1 or index.dtype.is_floating_point:
@@ -246,19 +245,19 @@ def lora_rows(index: torch.Tensor, num_adapters: int) -> LoraRows:
         raise ValueError(f"num_adapters {num_adapters} must be at least 1")
     if not use_triton(index):
         return LoraRows(index, num_adapters)
-    from kernels.lora_triton import lora_layout
+    from tidegate.kernels.gpu.lora_triton import lora_layout
 
     return LoraRows(index, num_adapters, lora_layout(index, num_adapters))
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoraStack, rows: LoraRows,
              norm: Norm | None = None) -> None:
-    """Batched LoRA (``kernels.lora``), in place: each row of y [T, N] gets its own adapter's
+    """Batched LoRA (``tidegate.kernels.reference.lora``), in place: each row of y [T, N] gets its own adapter's
     ``scale * (u @ a.T) @ b.T``, segment by segment, u = x [T, K] or, with ``norm`` = (gain,
     eps), RMSNorm(x) computed on the way. ``rows``: the step's adapters, from ``lora_rows``
     (once per step, shared by every projection)."""
     if use_triton(x):
-        from kernels.lora_triton import add_lora_triton
+        from tidegate.kernels.gpu.lora_triton import add_lora_triton
 
         add_lora_triton(y, x, stack, rows, norm)
         return
@@ -266,11 +265,11 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoraStack, rows: LoraRows,
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """Grammar masks (``kernels.token_bitmask``): -inf, in place, over the logits of tokens
+    """Grammar masks (``tidegate.kernels.reference.token_bitmask``): -inf, in place, over the logits of tokens
     each constrained row's packed mask disallows. logits [N, V] float32, bitmask [C, W] int32,
     rows [C] int64."""
     if use_triton(logits):
-        from kernels.token_bitmask_triton import apply_token_bitmask_triton
+        from tidegate.kernels.gpu.token_bitmask_triton import apply_token_bitmask_triton
 
         apply_token_bitmask_triton(logits, bitmask, rows)
         return
@@ -280,9 +279,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 def moe(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         top_k: int, *, renormalize: bool = True, activation: str = "silu") -> torch.Tensor:
     """Routed experts: x [T, H] -> the weighted sum of each token's top-k experts' gated MLPs
-    (``kernels.moe``); one fused grouped-GEMM kernel on Triton."""
+    (``tidegate.kernels.reference.moe``); one fused grouped-GEMM kernel on Triton."""
     if use_triton(x):
-        from kernels.moe_triton import moe_triton
+        from tidegate.kernels.gpu.moe_triton import moe_triton
 
         return moe_triton(x, router, w13, w2, top_k, renormalize=renormalize,
                           activation=activation)
@@ -293,7 +292,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write each token's key and value into its cache slot; slots < 0 are skipped."""
     if use_triton(key):
-        from kernels.kv_store_triton import store_kv_triton
+        from tidegate.kernels.gpu.kv_store_triton import store_kv_triton
 
         return store_kv_triton(key, value, key_cache, value_cache, slot_mapping)
     return store_kv_ref(key, value, key_cache, value_cache, slot_mapping)
@@ -306,7 +305,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     ``window`` (sliding-window layers) and ``softcap`` (soft-capped scores) where the model's
     layer has them."""
     if use_triton(q):
-        from kernels.paged_attention_triton import paged_attention_triton
+        from tidegate.kernels.gpu.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, key_cache, value_cache, meta, scale, window=window,
                                       softcap=softcap)
@@ -320,7 +319,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     """Decode attention only (one query per sequence) with no host data at all, so it can be
     captured in a CUDA graph; ``num_splits`` splits each context for the Triton kernel."""
     if use_triton(q):
-        from kernels.paged_attention_triton import paged_decode_attention_triton
+        from tidegate.kernels.gpu.paged_attention_triton import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, key_cache, value_cache, block_tables, seq_lens,
                                              scale, num_splits, window=window, softcap=softcap)

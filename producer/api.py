@@ -2,10 +2,10 @@
 to stream; read a job back; cancel it; register LoRA adapters.
 
 Nothing reaches Redis until a request has passed validation and admission
-(``producer.submit.submit_path``, the path every submit route shares), and every error is one
-JSON shape naming the fields at fault (``producer.errors.error_body``). ``ProducerAPI`` holds
+(``tidegate.producer.submit.submit_path``, the path every submit route shares), and every error is one
+JSON shape naming the fields at fault (``tidegate.producer.errors.error_body``). ``ProducerAPI`` holds
 the routes, so ``tidegate up`` can mount them beside the gateway, and runs the sweeper that
-rejects the expired jobs of models no worker serves (``producer.no_worker_sweeper``).
+rejects the expired jobs of models no worker serves (``tidegate.producer.no_worker_sweeper``).
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
+from tidegate.producer.adapter_routes import AdapterRoutes
+from tidegate.producer.errors import error_body
+from tidegate.producer.no_worker_sweeper import NoWorkerSweeper
+from tidegate.producer.openai_compat.routes import OpenAIRoutes
+from tidegate.producer.openapi_paths import producer_docs
+from tidegate.producer.socket_submit import SocketSubmit
+from tidegate.producer.submit.admission import Admission
+from tidegate.producer.submit.idempotency import Claim
+from tidegate.producer.submit.refusal import Refusal, answer
+from tidegate.producer.submit.request_body import read_json, with_header_key
+from tidegate.producer.submit.submit_path import SubmitPath
 
-from producer.adapter_routes import AdapterRoutes
-from producer.errors import error_body
-from producer.no_worker_sweeper import NoWorkerSweeper
-from producer.openai_compat.routes import OpenAIRoutes
-from producer.openapi_paths import producer_docs
-from producer.socket_submit import SocketSubmit
-from producer.submit.admission import Admission
-from producer.submit.idempotency import Claim
-from producer.submit.refusal import Refusal, answer
-from producer.submit.request_body import read_json, with_header_key
-from producer.submit.submit_path import SubmitPath
 from tidegate.http.auth import Auth, job_access
 from tidegate.http.openapi import openapi_route
 from tidegate.jobstore import read_result, request_cancel

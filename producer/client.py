@@ -1,7 +1,7 @@
 """The Python client: submit jobs over HTTP to the API, follow their events from the gateway.
 
 ``Client`` is async; ``SyncClient`` runs one on a private event-loop thread for scripts. Every
-failure is a ``producer.errors`` exception, and bad input raises ``InvalidRequest`` before any
+failure is a ``tidegate.producer.errors`` exception, and bad input raises ``InvalidRequest`` before any
 network call. With an ``api_key`` every call carries ``Authorization: Bearer <key>``; a job's
 stream is opened with its stream token too.
 """
@@ -17,10 +17,7 @@ from urllib.parse import quote, urlencode
 
 import httpx
 from pydantic import ValidationError
-from websockets.asyncio.client import connect as ws_connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake
-
-from producer.errors import (
+from tidegate.producer.errors import (
     Forbidden,
     InvalidRequest,
     JobNotFound,
@@ -29,6 +26,9 @@ from producer.errors import (
     Unauthorized,
     error_from_response,
 )
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
+
 from tidegate.log_redactor import REDACTOR
 from tidegate.protocol import ChatMessage, Event, JobRequest, JobResult, Lane, is_final, parse_event
 

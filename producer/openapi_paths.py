@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from producer.adapter_routes import AdapterBody
-from producer.openai_compat.schema import ChatCompletionRequest, CompletionRequest
+from tidegate.producer.adapter_routes import AdapterBody
+from tidegate.producer.openai_compat.schema import ChatCompletionRequest, CompletionRequest
+
 from tidegate.http.openapi import (
     KEY_ONLY,
     KEY_OR_TOKEN,

@@ -11,7 +11,7 @@ The client's first frame is one of:
 ``Authorization: Bearer <key>`` on the upgrade instead. A refused request gets ``{"type":
 "error", "status": <the HTTP API's status>, "error": <its JSON error body>}`` and a close code:
 4400 invalid (400/413/422), 4401, 4403, 4404, 4409 (idempotency conflict), 4429 backlog full
-or rate limited (``producer.submit.rate_limit``),
+or rate limited (``tidegate.producer.submit.rate_limit``),
 1013 store unavailable. After the first frame the protocol is ``tidegate.events.ws_relay``'s.
 """
 
@@ -24,12 +24,12 @@ from typing import Any
 from redis.exceptions import RedisError
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
+from tidegate.producer.errors import FieldError
+from tidegate.producer.submit.backlog import LaneFull
+from tidegate.producer.submit.idempotency import ClaimInProgress
+from tidegate.producer.submit.refusal import Refusal, refusal_of
+from tidegate.producer.submit.submit_path import SubmitPath
 
-from producer.errors import FieldError
-from producer.submit.backlog import LaneFull
-from producer.submit.idempotency import ClaimInProgress
-from producer.submit.refusal import Refusal, refusal_of
-from producer.submit.submit_path import SubmitPath
 from tidegate import keys
 from tidegate.events.ws_relay import (
     CLOSE_BAD_REQUEST,

@@ -30,8 +30,8 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
+from tidegate.streaming.openapi_paths import gateway_docs
 
-from streaming.openapi_paths import gateway_docs
 from tidegate.events.event_hub import EventHub, Lagging
 from tidegate.events.ws_relay import (
     CLOSE_BAD_REQUEST,

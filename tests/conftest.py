@@ -18,6 +18,11 @@ import torch
 
 from tests.redis_cluster import ClusterServers, start_cluster
 
+# Every Python process a test starts imports the installed (editable) tidegate, never a folder
+# of the repository root by way of its working directory (``kernels/`` would hide Hugging Face's
+# ``kernels`` package): the interpreter adds no unsafe path (Python >= 3.11).
+os.environ["PYTHONSAFEPATH"] = "1"
+
 # Without a GPU, Triton kernels run in Triton's interpreter (set before Triton is imported).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

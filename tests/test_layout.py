@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tidegate", "producer", "worker", "streaming", "kernels")
+# Each folder of the repository's top and the name it installs under (setup.py): one namespace.
+PACKAGES = {"tidegate": "tidegate", "producer": "tidegate.producer", "worker": "tidegate.worker",
+            "streaming": "tidegate.streaming", "kernels": "tidegate.kernels",
+            "benchmarks": "tidegate.benchmarks"}
 ROLES = ("producer", "worker", "streaming")
 COMPOSITION_ROOT = "tidegate.commands"
 
@@ -31,9 +34,9 @@ class Import:
 def modules(root: Path) -> dict[str, Path]:
     """Every module of our packages under ``root`` by dotted name (a package by its own)."""
     found: dict[str, Path] = {}
-    for package in PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            name = ".".join(path.relative_to(root).with_suffix("").parts)
+    for folder, package in PACKAGES.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            name = ".".join([package, *path.relative_to(root / folder).with_suffix("").parts])
             found[name.removesuffix(".__init__")] = path
     return found
 
@@ -66,7 +69,10 @@ def imports(root: Path) -> list[Import]:
 
 
 def _top(module: str) -> str:
-    return module.partition(".")[0]
+    """The part a module belongs to: a role, ``kernels``, ``benchmarks`` or ``tidegate`` (what
+    every role shares)."""
+    part = module.split(".")[1] if module.count(".") else ""
+    return part if part in PACKAGES and part != "tidegate" else "tidegate"
 
 
 def _in(module: str, package: str) -> bool:
@@ -79,7 +85,11 @@ def direction_errors(root: Path) -> list[str]:
     for imp in imports(root):
         importer, imported = _top(imp.importer), _top(imp.imported)
         where = f"{imp.importer} imports {imp.imported} (line {imp.line})"
-        if importer == "kernels" and imported != "kernels":
+        if imported == "benchmarks" and importer != "benchmarks":
+            errors.append(f"{where}: nothing the service runs imports the benchmarks")
+        elif importer == "benchmarks":
+            continue  # the benchmarks drive every part, as the tests do
+        elif importer == "kernels" and imported != "kernels":
             errors.append(f"{where}: kernels import nothing of tidegate's")
         elif importer in ROLES:
             allowed = {importer, "tidegate", *(["kernels"] if importer == "worker" else [])}
@@ -145,7 +155,7 @@ def undocumented_packages(root: Path) -> list[str]:
             if not folder.is_dir() or folder.name == "__pycache__":
                 continue
             if not any(folder.glob("*.py")):
-                continue  # data only (streaming/static, kernels/csrc)
+                continue  # data only (streaming/static, kernels/cpu/csrc)
             init = folder / "__init__.py"
             if not init.exists() or not ast.get_docstring(ast.parse(init.read_text())):
                 missing.append(str(folder.relative_to(root)))
@@ -167,8 +177,8 @@ def test_every_package_says_what_it_owns() -> None:
 def test_every_module_is_read() -> None:
     """The checks above see the whole source (a glob gone wrong would pass them vacuously)."""
     names = modules(ROOT)
-    assert {"producer.api", "producer.submit.submit_path", "worker.engine.engine",
-            "tidegate.commands.cli", "kernels.ops", "streaming.gateway"} <= set(names)
+    assert {"tidegate.producer.api", "tidegate.producer.submit.submit_path", "tidegate.worker.engine.engine",
+            "tidegate.commands.cli", "tidegate.kernels.ops", "tidegate.streaming.gateway"} <= set(names)
     assert len(imports(ROOT)) > 300
 
 
@@ -183,16 +193,18 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 
 
 @pytest.mark.parametrize(("files", "error"), [
-    ({"producer/api.py": "from worker.engine import Engine\n"},
+    ({"producer/api.py": "from tidegate.worker.engine import Engine\n"},
      "never another role"),
-    ({"streaming/gateway.py": "def f():\n    import producer.api\n"},  # lazily, too
+    ({"streaming/gateway.py": "def f():\n    import tidegate.producer.api\n"},  # lazily, too
      "never another role"),
-    ({"producer/api.py": "from kernels import ops\n"}, "never another role"),
+    ({"producer/api.py": "from tidegate.kernels import ops\n"}, "never another role"),
     ({"kernels/ops.py": "from tidegate import keys\n"}, "kernels import nothing"),
-    ({"tidegate/keys.py": "from worker import service\n"}, "only tidegate.commands imports"),
+    ({"tidegate/keys.py": "from tidegate.worker import service\n"}, "only tidegate.commands imports"),
     ({"tidegate/commands/__init__.py": '"""root."""\n', "tidegate/commands/cli.py": "",
       "producer/api.py": "from tidegate.commands.cli import main\n"},
      "nothing imports the composition root"),
+    ({"worker/x.py": "from tidegate.benchmarks.harness import stack\n",
+      "benchmarks/harness/stack.py": ""}, "nothing the service runs imports the benchmarks"),
 ])
 def test_a_wrong_import_is_named(tmp_path: Path, files: dict[str, str], error: str) -> None:
     [found] = direction_errors(_tree(tmp_path, files))
@@ -201,18 +213,18 @@ def test_a_wrong_import_is_named(tmp_path: Path, files: dict[str, str], error: s
 
 def test_the_composition_root_may_import_the_roles(tmp_path: Path) -> None:
     root = _tree(tmp_path, {"tidegate/commands/__init__.py": '"""root."""\n',
-                            "tidegate/commands/cli.py": "def f():\n    from worker import x\n",
-                            "worker/x.py": "from kernels import y\n", "kernels/y.py": ""})
+                            "tidegate/commands/cli.py": "def f():\n    from tidegate.worker import x\n",
+                            "worker/x.py": "from tidegate.kernels import y\n", "kernels/y.py": ""})
     assert direction_errors(root) == []
 
 
 def test_a_circle_is_found(tmp_path: Path) -> None:
     root = _tree(tmp_path, {
-        "producer/api.py": "from producer.openai_routes import Routes\n",
+        "producer/api.py": "from tidegate.producer.openai_routes import Routes\n",
         "producer/openai_routes.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                     "    from producer.api import API\n",
-        "producer/client.py": "from producer import api\n"})
-    assert circles(root) == [["producer.api", "producer.openai_routes"]]
+                                     "    from tidegate.producer.api import API\n",
+        "producer/client.py": "from tidegate.producer import api\n"})
+    assert circles(root) == [["tidegate.producer.api", "tidegate.producer.openai_routes"]]
 
 
 def test_an_undocumented_folder_is_found(tmp_path: Path) -> None:

@@ -90,7 +90,7 @@ async def enqueue(
     note above the script). ``owner`` (the submitting tenant) and ``stream_token_hash`` go
     into the job hash with the rest; the hash and the lane entry carry the same job JSON,
     encoded once. ``routed_to``: the worker whose routed stream should take the entry
-    (``producer.submit.prefix_router``); the lane takes it if that stream is gone.
+    (``tidegate.producer.submit.prefix_router``); the lane takes it if that stream is gone.
 
     Returns 1 (queued on the lane), 2 (on the worker's routed stream), or 0 (the job id
     already had a record: nothing written).

@@ -7,7 +7,7 @@ event-log script (``tidegate.events.event_log``, the worker's results, errors, r
 and the cancel script (``tidegate.jobstore``, a job cancelled while queued).
 
 In the steady state Redis holds about ``sum(rate_s x ttl_s x bytes_per_job)`` over the final
-statuses (``benchmarks/results/soak.md`` measures the bytes).
+statuses (``benchmarks/results/serving/soak.md`` measures the bytes).
 """
 
 from __future__ import annotations

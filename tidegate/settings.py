@@ -44,11 +44,11 @@ class Settings(BaseSettings):
                                              "int8 (rows rounded to 8-bit blocks, integer dot "
                                              "products, as llama.cpp), float (the dequantized "
                                              "model's outputs exactly), auto: int8")
-    # A worker of several processes on one host (``worker.parallel``): each stage's layers
+    # A worker of several processes on one host (``tidegate.worker.parallel``): each stage's layers
     # split over tensor_parallel_size devices, the layers over pipeline_parallel_size stages.
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     pipeline_parallel_size: int = Field(default=1, ge=1, le=64)
-    # Speculative decoding (worker.speculative): "ngram" drafts from the request's own tokens
+    # Speculative decoding (tidegate.worker.speculative): "ngram" drafts from the request's own tokens
     # (prompt lookup), "draft:<model>" from a smaller model sharing the tokenizer, verified in
     # the batch; "none": off. speculative_max_batch: speculate at batch sizes up to it; None:
     # wherever it measures faster than plain decoding.
@@ -116,7 +116,7 @@ class Settings(BaseSettings):
     # what clients come back for; a rejection or a cancel is told to the client at once (the
     # 202's stream, or the cancel's answer), so minutes cover a late look. Redis memory in the
     # steady state is about the sum over statuses of rate x retention x bytes per job
-    # (benchmarks/results/soak.md).
+    # (benchmarks/results/serving/soak.md).
     result_ttl_s: int = Field(default=24 * 3600, ge=1, description="done jobs")
     error_ttl_s: int = Field(default=3600, ge=1, description="failed jobs")
     rejected_ttl_s: int = Field(default=300, ge=1, description="rejected jobs")

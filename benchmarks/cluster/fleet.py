@@ -33,10 +33,10 @@ clients, the machine) saturates before Redis, the capacity is the fleet's: the b
 says which, and ``projected_redis_limit_token_events_per_s`` extrapolates Redis' own limit from
 its CPU per event (when its busiest master was at least 20% busy).
 
-    python benchmarks/fleet.py                                    # both modes, ramp, defaults
-    python benchmarks/fleet.py --modes server cluster --workers 2 --apis 1 --gateways 1 \\
+    python benchmarks/cluster/fleet.py                                    # both modes, ramp, defaults
+    python benchmarks/cluster/fleet.py --modes server cluster --workers 2 --apis 1 --gateways 1 \\
         --client-procs 1 --rates 5 10 --duration 5 --max-tokens 32  # a 2-core smoke run
-    python benchmarks/plot_fleet.py benchmarks/results/fleet.json
+    python benchmarks/cluster/plot_fleet.py benchmarks/results/cluster/fleet.json
 
 Output: ``--out`` (JSON: config, machine, per-mode steps, capacity, the 80% step, the
 cluster/server ratio) and a table on stdout. Logs of every process go to ``--logdir``
@@ -72,12 +72,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
-from benchmarks.serving.http import Pool  # noqa: E402
-from benchmarks.serving.stack import (  # noqa: E402
+from tidegate.benchmarks.harness.http import Pool  # noqa: E402
+from tidegate.benchmarks.harness.stack import (  # noqa: E402
     cpu_seconds,
     free_port,
     http_ready,
@@ -306,8 +304,7 @@ class Fleet:
         self.startup_s = round(time.monotonic() - t0, 1)
 
     def _base_env(self) -> dict[str, str]:
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "PYTHONPATH": path, "TIDEGATE_REDIS_URL": self.redis_url,
+        env = {**os.environ, "TIDEGATE_REDIS_URL": self.redis_url,
                "TIDEGATE_MODEL": MODEL, "TIDEGATE_LOG_LEVEL": "WARNING",
                "TIDEGATE_HOST": "127.0.0.1", "TIDEGATE_PREFIX_ROUTING": "false",
                "TIDEGATE_DEFAULT_TIMEOUT_S": "900",
@@ -1548,7 +1545,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis-server", default="redis-server")
     ap.add_argument("--redis-cli", default="redis-cli")
     ap.add_argument("--logdir", type=Path, default=None)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fleet.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cluster" / "fleet.json")
     args = ap.parse_args(argv)
     if args.mode:
         args.modes = [args.mode]

@@ -1,8 +1,8 @@
-"""Plot a fleet benchmark's result (``benchmarks/fleet.py``): per mode, the token events/s
+"""Plot a fleet benchmark's result (``benchmarks/cluster/fleet.py``): per mode, the token events/s
 delivered against the offered job rate (where each saturates), the probe's p99 delivery latency
 against the load as a share of that mode's capacity, and the busiest Redis shard's CPU.
 
-    python benchmarks/plot_fleet.py benchmarks/results/fleet.json [-o fleet.png]
+    python benchmarks/cluster/plot_fleet.py benchmarks/results/cluster/fleet.json [-o fleet.png]
 
 matplotlib is optional for the benchmark itself: ``.venv/bin/pip install matplotlib``.
 """
@@ -88,7 +88,7 @@ def plot(result: dict, path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("result", type=Path, nargs="?",
-                    default=Path(__file__).resolve().parent / "results" / "fleet.json")
+                    default=Path(__file__).resolve().parents[1] / "results" / "cluster" / "fleet.json")
     ap.add_argument("-o", "--out", type=Path, default=None,
                     help="default: the result's name with .png")
     args = ap.parse_args()

@@ -9,8 +9,8 @@ Workloads (fixed seed, random prompt tokens, ``ignore_eos`` so lengths are exact
   prefix  32 requests sharing a 384-token system prompt + 32 own tokens, 64 output tokens each;
           tidegate with prefix caching on and off: prompt tokens computed, wall time, TTFT.
 
-Usage:  python benchmarks/engine_cpu.py [--repeats 3] [--dtype float32] [--extra-dtype bfloat16]
-                                        [--out benchmarks/results/engine_cpu.json] [--plot PNG]
+Usage:  python benchmarks/engine/engine_cpu.py [--repeats 3] [--dtype float32] [--extra-dtype bfloat16]
+                                        [--out benchmarks/results/engine/engine_cpu.json] [--plot PNG]
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
+from tidegate.worker.service.cpu_tuning import keep_large_allocations
 
 from tidegate.protocol import SamplingParams
-from worker.engine.engine import Engine, EngineConfig, EngineRequest
-from worker.models.loaders.loader import LoadedModel, load_model
-from worker.service.cpu_tuning import keep_large_allocations
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,8 +179,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians kept")
     ap.add_argument("--mixed-only", action="store_true",
                     help="only the mixed workload (quick check; prints, writes nothing)")
-    ap.add_argument("--out", default="benchmarks/results/engine_cpu.json")
-    ap.add_argument("--plot", default="benchmarks/results/engine_cpu.png")
+    ap.add_argument("--out", default="benchmarks/results/engine/engine_cpu.json")
+    ap.add_argument("--plot", default="benchmarks/results/engine/engine_cpu.png")
     args = ap.parse_args()
 
     keep_large_allocations()

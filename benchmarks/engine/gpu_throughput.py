@@ -24,8 +24,8 @@ Sections (``--only`` picks some; default all but ``hf``):
   hf        HF transformers ``generate_batch`` (its continuous batching) on 256 prompts of
             256 in / 256 out, same weights shape, same GPU.
 
-    python benchmarks/gpu_throughput.py --out $OUT/gpu.json
-    python benchmarks/gpu_throughput.py --only ceilings kernels batch1
+    python benchmarks/engine/gpu_throughput.py --out $OUT/gpu.json
+    python benchmarks/engine/gpu_throughput.py --only ceilings kernels batch1
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
-from kernels import ops  # noqa: E402
-from kernels.paged_attention_triton import default_num_splits  # noqa: E402
+from tidegate.kernels import ops  # noqa: E402
+from tidegate.kernels.gpu.paged_attention_triton import default_num_splits  # noqa: E402
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
+from tidegate.worker.models.loaders.loader import load_model  # noqa: E402
+
 from tidegate.protocol import SamplingParams  # noqa: E402
-from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
-from worker.models.loaders.loader import load_model  # noqa: E402
 
 # Quantized sections: the same random model, its projections quantized in memory (round to
 # nearest; INT4 in groups of 128, INT8 per channel, FP8 per channel), after the bf16 sections:
@@ -358,7 +358,7 @@ def main() -> None:
     for name, (bits, group, section, kv) in INT_SECTIONS.items():
         if name not in args.only:
             continue
-        from worker.quantization.online import quantize_loaded
+        from tidegate.worker.quantization.online import quantize_loaded
 
         if quantized_as is not None and quantized_as != (bits, group):
             loaded = None  # the bf16 weights are gone: load them again

@@ -41,8 +41,8 @@ touching the installed torch:
 The engines take turns (``--rounds``) so that a shared machine's drift hits both alike; the
 load average at the start and end is in the results.
 
-Usage:  .venv/bin/python benchmarks/grammar_engines.py
-            [--out benchmarks/results/grammar_engines_cpu.json] [--threads N (all CPUs)]
+Usage:  .venv/bin/python benchmarks/engine/grammar_engines.py
+            [--out benchmarks/results/engine/grammar_engines_cpu.json] [--threads N (all CPUs)]
             [--steps 600] [--steps-batch1 3000] [--batch 256] [--rounds 3] [--warmup 5]
             [--engines llguidance,xgrammar]
 """
@@ -77,7 +77,7 @@ from tidegate.structured.grammar import json_schema_grammar
 HEAVY_MODULES = ("torch", "transformers", "triton", "tvm_ffi", "tiktoken", "sentencepiece")
 # llguidance is imported above, xgrammar only when its engine is built.
 _LOADED_WITH_LLGUIDANCE = [m for m in HEAVY_MODULES if m in sys.modules]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES_PATH = ROOT / "tests" / "fixtures" / "json_schemas.json"
 SEPARATORS = (", ", ": ")  # JSON_OPTIONS' item and key separators
 

@@ -16,9 +16,9 @@ workload (1000 prompts of 256 tokens, 256 output tokens each, all submitted at o
   profiled  under cProfile: the functions with the most own time (the profiler slows Python
             code several times, small calls most: read shares, not absolute times).
 
-    python benchmarks/host_profile.py --device cuda --model random:llama-3-8b --quantize fp8 \\
+    python benchmarks/engine/host_profile.py --device cuda --model random:llama-3-8b --quantize fp8 \\
         --kv-cache-dtype fp8 --out $OUT/host_profile.json
-    python benchmarks/host_profile.py --device cpu --model random:tiny --num 1000 --output-len 64
+    python benchmarks/engine/host_profile.py --device cpu --model random:tiny --num 1000 --output-len 64
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
+from tidegate.worker.engine.sampler import SamplerLaunch, SamplerOutput  # noqa: E402
+from tidegate.worker.engine.scheduler import SchedulerOutput  # noqa: E402
+from tidegate.worker.models.loaders.loader import load_model  # noqa: E402
 
 from tidegate.protocol import SamplingParams  # noqa: E402
-from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
-from worker.engine.sampler import SamplerLaunch, SamplerOutput  # noqa: E402
-from worker.engine.scheduler import SchedulerOutput  # noqa: E402
-from worker.models.loaders.loader import load_model  # noqa: E402
 
 
 @dataclasses.dataclass(slots=True)

@@ -19,12 +19,12 @@ Per run: output tok/s, its ratio to the base's, the mean step time. On CUDA also
 time of one batch-1 and one full-batch decode step (its CUDA graph replayed) with and without
 adapters.
 
-    python benchmarks/lora_throughput.py write-adapters /tmp/adapters --preset llama-3-8b
-    python benchmarks/lora_throughput.py run --model random:llama-3-8b --adapters /tmp/adapters/* \\
+    python benchmarks/engine/lora_throughput.py write-adapters /tmp/adapters --preset llama-3-8b
+    python benchmarks/engine/lora_throughput.py run --model random:llama-3-8b --adapters /tmp/adapters/* \\
         --out $OUT/lora_offline_h200.json
     # this CPU machine
-    python benchmarks/lora_throughput.py write-adapters /tmp/adapters --preset tiny --count 3
-    python benchmarks/lora_throughput.py run --model random:tiny --adapters /tmp/adapters/* \\
+    python benchmarks/engine/lora_throughput.py write-adapters /tmp/adapters --preset tiny --count 3
+    python benchmarks/engine/lora_throughput.py run --model random:tiny --adapters /tmp/adapters/* \\
         --device cpu --requests 24 --max-num-seqs 8 --input-len 32 --output-len 16
 """
 
@@ -44,11 +44,11 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 
 from tidegate.protocol import SamplingParams  # noqa: E402
-from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -56,8 +56,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def write_adapters(out: Path, preset: str, count: int, rank: int, seed: int) -> list[Path]:
     """``count`` PEFT adapter directories of ``preset``'s shape, every projection targeted."""
     from safetensors.torch import save_file
-
-    from worker.models.loaders.random_weights import preset_llama_config
+    from tidegate.worker.models.loaders.random_weights import preset_llama_config
 
     cfg = preset_llama_config(preset)
     h, i = cfg.hidden_size, cfg.intermediate_size
@@ -128,7 +127,7 @@ def run_batch(engine: Engine, label: str, prompt_ids: list[list[int]], out_len: 
 def device_times(engine: Engine, batch: int, adapters: list[str]) -> dict[str, float]:
     """One decode step's device time from its CUDA graph, without and with adapters (rows
     cycling through ``adapters``), at ``batch`` rows."""
-    from benchmarks.gpu_throughput import cuda_time_ms
+    from tidegate.benchmarks.engine.gpu_throughput import cuda_time_ms
 
     graphs = engine.runner.graphs
     assert graphs is not None and engine.lora is not None
@@ -146,7 +145,7 @@ def device_times(engine: Engine, batch: int, adapters: list[str]) -> dict[str, f
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from worker.models.loaders.loader import load_model
+    from tidegate.worker.models.loaders.loader import load_model
 
     device = args.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32

@@ -11,10 +11,10 @@ Per layout (``--layouts 1x1 2x1 1x2``, TP x PP): one engine, warmed up, then on 
 The targets (issue: the multi-GPU run, on two H200s): Llama-3-8B shape TP=2 batch-1 >= 1.7x
 TP=1; PP=2 throughput >= 1.6x one device; Llama-3-70B shape TP=2 batch-1 MBU >= 75%.
 
-    python benchmarks/parallel_throughput.py --model random:llama-3-8b --device cuda \\
+    python benchmarks/engine/parallel_throughput.py --model random:llama-3-8b --device cuda \\
         --layouts 1x1 2x1 1x2 --copy-gbps 4000 --out $OUT/parallel_8b.json
     # this CPU machine (gloo): the mechanism, not the speed
-    python benchmarks/parallel_throughput.py --model random:smollm2-135m --layouts 1x1 3x1 1x2 \\
+    python benchmarks/engine/parallel_throughput.py --model random:smollm2-135m --layouts 1x1 3x1 1x2 \\
         --requests 16 --input-len 64 --output-len 32 --single-output-len 32 --max-num-seqs 16
 """
 
@@ -23,19 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
+from tidegate.worker.models.loaders.loader import load_model  # noqa: E402
+from tidegate.worker.parallel.layout import ParallelLayout  # noqa: E402
+from tidegate.worker.parallel.parallel_engine import start_parallel_engine  # noqa: E402
 
 from tidegate.protocol import SamplingParams  # noqa: E402
-from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
-from worker.models.loaders.loader import load_model  # noqa: E402
-from worker.parallel.layout import ParallelLayout  # noqa: E402
-from worker.parallel.parallel_engine import start_parallel_engine  # noqa: E402
 
 
 def build(args: argparse.Namespace, layout: ParallelLayout) -> Engine:

@@ -1,8 +1,8 @@
-"""Plot ``benchmarks/results/families.json``: each family's offline throughput and batch-1
+"""Plot ``benchmarks/results/engine/families.json``: each family's offline throughput and batch-1
 decode on the H200, the rows of one call side by side.
 
-    python benchmarks/plot_families.py benchmarks/results/families.json \
-        --out benchmarks/results/families.png
+    python benchmarks/engine/plot_families.py benchmarks/results/engine/families.json \
+        --out benchmarks/results/engine/families.png
 """
 
 from __future__ import annotations

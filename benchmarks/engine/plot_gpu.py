@@ -1,11 +1,11 @@
-"""Plots ``benchmarks/results/gpu.png`` from the recorded H200 runs (``gpu.json``, ``gemv.json``).
+"""Plots ``benchmarks/results/engine/gpu.png`` from the recorded H200 runs (``gpu.json``, ``gemv.json``).
 
 Three panels, each version as the run that measured it: batch-1 decode tok/s against the 85%-MBU
 target, offline 1000 x 256/256 output tok/s against its target, and one decode step's
 projections (32 layers + LM head in one CUDA graph) as cuBLAS and as the fused kernels, against
 the read-bandwidth floor.
 
-    python benchmarks/plot_gpu.py
+    python benchmarks/engine/plot_gpu.py
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 # (label, call key in gpu.json); the labels name what each version added.
 BATCH1 = [
@@ -44,15 +44,15 @@ READ_TBPS = 4.66  # the read-only stream measured by gemv_sweep.py (calls 2 and 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=RESULTS / "gpu.png")
+    ap.add_argument("--out", type=Path, default=RESULTS / "engine" / "gpu.png")
     args = ap.parse_args()
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    calls = json.loads((RESULTS / "gpu.json").read_text())["calls"]
-    gemv = json.loads((RESULTS / "gemv.json").read_text())
+    calls = json.loads((RESULTS / "engine" / "gpu.json").read_text())["calls"]
+    gemv = json.loads((RESULTS / "kernels" / "gemv.json").read_text())
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
 
     chain_bytes = gemv[CHAIN[0][1]]["chain"]["bytes"]
@@ -81,7 +81,7 @@ def main() -> None:
     for ax in axes:
         ax.legend(loc="lower right", fontsize=8)
         ax.tick_params(axis="x", labelrotation=25, labelsize=8)
-    fig.suptitle("tidegate on one H200 (benchmarks/results/gpu.md)")
+    fig.suptitle("tidegate on one H200 (benchmarks/results/engine/gpu.md)")
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")

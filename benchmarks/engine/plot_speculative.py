@@ -1,10 +1,10 @@
-"""Plot the break-even run of ``benchmarks/speculative_gpu.py``: by batch size, a verify
+"""Plot the break-even run of ``benchmarks/engine/speculative_gpu.py``: by batch size, a verify
 step's cost against a decode step's (speculation with a free draft pays while it is below
 1 + a K, the tokens a verify step gives at acceptance a), and with drafts that are never kept,
 the governor's and forced speculation's tok/s against plain decoding.
 
-    python benchmarks/plot_speculative.py benchmarks/results/speculative_h200.json \\
-        --out benchmarks/results/speculative_h200.png
+    python benchmarks/engine/plot_speculative.py benchmarks/results/engine/speculative_h200.json \\
+        --out benchmarks/results/engine/speculative_h200.png
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ weights shipped, so every method re-quantizes already 4-bit weights) into a comp
 directory with the real command, then ``tidegate eval-ppl`` scores one text on the packed GGUF
 and on each checkpoint, same windows, same threads. GPTQ and AWQ calibrate on a different text.
 
-    python benchmarks/quantize_ppl.py --out benchmarks/results/quantize_ppl.json
+    python benchmarks/engine/quantize_ppl.py --out benchmarks/results/engine/quantize_ppl.json
 
 ``--only fp8`` (repeatable) runs those methods (and the source again) and merges their rows
 into ``--out``, replacing rows of the same label.

@@ -8,7 +8,7 @@ Workloads (greedy; ``ignore_eos`` on tidegate's side, llama.cpp's generator neve
   batch1  one chat prompt (the chat template around a question), 128 new tokens: prefill time
           and ms per output token (the median decode step, and the mean).
   mixed   32 requests, prompts uniform in 64-512 tokens, outputs uniform in 64-256
-          (``benchmarks/engine_cpu.py``'s workload), all submitted at t=0: output tokens/s.
+          (``benchmarks/engine/engine_cpu.py``'s workload), all submitted at t=0: output tokens/s.
           tidegate only (llama-cpp-python serves one sequence at a time).
 
 Rounds alternate the runs (the host's speed drifts); each run's median round is reported.
@@ -18,8 +18,8 @@ set), ``tidegate eval-ppl`` on --ppl-text in both activation modes (--no-ppl ski
 where a decode step's time goes at batch 32 and longer contexts (--no-attention skips it): the
 step, and the paged attention kernel alone over the same cache, with float32 and int8 KV.
 
-Usage:  python benchmarks/quantized_cpu.py [--threads 2] [--repeats 3] [--no-mixed] [--no-ppl]
-            [--out benchmarks/results/quantized_cpu.json] [--plot benchmarks/results/quantized_cpu.png]
+Usage:  python benchmarks/engine/quantized_cpu.py [--threads 2] [--repeats 3] [--no-mixed] [--no-ppl]
+            [--out benchmarks/results/engine/quantized_cpu.json] [--plot benchmarks/results/engine/quantized_cpu.png]
 llama.cpp: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON" \\
            pip install --no-deps llama-cpp-python diskcache   (the native build crashed here)
 """
@@ -39,19 +39,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tidegate.benchmarks.engine.engine_cpu import mixed_workload, run_tidegate  # noqa: E402
+from tidegate.benchmarks.harness.greedy import PROMPTS, first_divergence, generate
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model  # noqa: E402
+from tidegate.worker.service.cpu_tuning import keep_large_allocations  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.engine_cpu import mixed_workload, run_tidegate  # noqa: E402
-from tests.worker.engine.test_packed_engine import PROMPTS, first_divergence, generate  # noqa: E402
 from tidegate.protocol import SamplingParams  # noqa: E402
-from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
-from worker.models.loaders.loader import LoadedModel, load_model  # noqa: E402
-from worker.service.cpu_tuning import keep_large_allocations  # noqa: E402
 
 QUESTION = "What is the capital of France? Answer in one sentence, please."
 NEW_TOKENS = 128
-PPL_TEXT = "/usr/share/common-licenses/GPL-3"  # benchmarks/quantize_ppl.py scores the same
+PPL_TEXT = "/usr/share/common-licenses/GPL-3"  # benchmarks/engine/quantize_ppl.py scores the same
 
 
 @dataclass
@@ -154,8 +152,8 @@ def decode_attention(loaded: LoadedModel, context: int, kv: str, batch: int = 32
     """Decode steps of ``batch`` sequences with ``context``-token prompts (random tokens):
     the median step, and the paged attention kernel alone over every layer of the same cache
     and tables (the part of the step an 8-bit cache shrinks)."""
-    from kernels.native_cpu import native_kernels
-    from kernels.paged_attention import PagedAttentionMetadata
+    from tidegate.kernels.cpu.native_cpu import native_kernels
+    from tidegate.kernels.cpu.paged_attention import PagedAttentionMetadata
 
     rng = random.Random(context)
     cfg = loaded.config
@@ -209,8 +207,8 @@ def main() -> None:
     ap.add_argument("--no-attention", action="store_true",
                     help="skip the batch-32 decode steps at long contexts")
     ap.add_argument("--ppl-text", default=PPL_TEXT)
-    ap.add_argument("--out", default="benchmarks/results/quantized_cpu.json")
-    ap.add_argument("--plot", default="benchmarks/results/quantized_cpu.png")
+    ap.add_argument("--out", default="benchmarks/results/engine/quantized_cpu.json")
+    ap.add_argument("--plot", default="benchmarks/results/engine/quantized_cpu.png")
     ap.add_argument("--replot", metavar="JSON", help="only redraw --plot from a written JSON")
     args = ap.parse_args()
     if args.replot:

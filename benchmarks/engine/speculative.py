@@ -8,22 +8,20 @@ tokens per verify chunk. The issue's targets on this CPU, default model: batch 1
 plain; batch 32 never slower than plain. Speculation runs as a worker runs it: where the
 engine measures it faster (``SpeculationGovernor``). The GPU's figures: speculative_gpu.py.
 
-    python benchmarks/speculative.py --batches 1 32 --out benchmarks/results/speculative_cpu.json
+    python benchmarks/engine/speculative.py --batches 1 32 --out benchmarks/results/engine/speculative_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
+from tidegate.worker.models.loaders.loader import load_model  # noqa: E402
 
 from tidegate.protocol import SamplingParams  # noqa: E402
-from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
-from worker.models.loaders.loader import load_model  # noqa: E402
 
 TEXTS = [
     "The committee approved the new budget for the harbour bridge, which will be repainted in "

@@ -18,8 +18,8 @@ mechanism's costs are what is measured), one CUDA device:
   gives 1 + a K tokens); then the governor (``SpeculationGovernor``) with drafts that are
   never kept, which it should switch off: its tok/s against plain and forced speculation.
 
-    python benchmarks/speculative_gpu.py --out $OUT/speculative_gpu.json
-    python benchmarks/speculative_gpu.py --device cpu --model random:tiny --draft random:tiny \
+    python benchmarks/engine/speculative_gpu.py --out $OUT/speculative_gpu.json
+    python benchmarks/engine/speculative_gpu.py --device cpu --model random:tiny --draft random:tiny \
         --batches 1 4 --max-tokens 16      # the script itself, checked on a CPU
 """
 
@@ -27,19 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch  # noqa: E402
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
+from tidegate.worker.engine.sequence import Sequence  # noqa: E402
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model  # noqa: E402
+from tidegate.worker.speculative.speculation_governor import SpeculationGovernor  # noqa: E402
 
 from tidegate.protocol import SamplingParams  # noqa: E402
-from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
-from worker.engine.sequence import Sequence  # noqa: E402
-from worker.models.loaders.loader import LoadedModel, load_model  # noqa: E402
-from worker.speculative.speculation_governor import SpeculationGovernor  # noqa: E402
 
 # Where the run is (set once by main): the device, the weights' dtype, the prompts' largest id.
 DEVICE: dict[str, object] = {"name": "cuda", "dtype": torch.bfloat16, "vocab": 30000}

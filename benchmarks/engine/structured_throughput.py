@@ -7,7 +7,7 @@ Grammar masks cost in proportion to the tokenizer's vocabulary, so the random pr
 byte tokenizer would make them look free. ``write-model`` therefore writes a Hugging Face
 directory of a preset's shape (random weights, safetensors shards, config.json) holding a real
 tokenizer (e.g. SmolLM2's 49,152 tokens beside Llama-3-8B's 128,256 logits); ``run`` and the
-whole stack (``benchmarks/serve.py --model DIR``) both load it as any model directory.
+whole stack (``benchmarks/serving/serve.py --model DIR``) both load it as any model directory.
 
 ``run``: one engine (``--max-num-seqs`` 256), warmed up, then the same shape of work several
 times over, each on fresh prompts (no prefix-cache hits between runs): 1000 requests of 256
@@ -22,17 +22,17 @@ prompt / 256 output tokens, greedy, free ones ``ignore_eos``:
 Per run: output tok/s and its ratio to the free run's, the mean step time (wall / steps), the
 grammar masks' host time per step that computed masks and per masked row
 (``engine.grammars.stats``), output lengths and finish reasons, and every constrained output
-checked against its schema (``benchmarks.serving.json_check``). On CUDA also: the device time of
+checked against its schema (``tidegate.benchmarks.harness.json_check``). On CUDA also: the device time of
 one full decode step (its CUDA graph replayed) and of the mask kernel over 256 rows.
 
-    python benchmarks/structured_throughput.py write-model /tmp/llama8b-smollm2 \\
+    python benchmarks/engine/structured_throughput.py write-model /tmp/llama8b-smollm2 \\
         --preset llama-3-8b --tokenizer .tokenizers/smollm2
-    python benchmarks/structured_throughput.py run --model /tmp/llama8b-smollm2 \\
+    python benchmarks/engine/structured_throughput.py run --model /tmp/llama8b-smollm2 \\
         --out $OUT/structured_offline.json
     # this CPU machine: a tiny shape with the real tokenizer and logits width
-    python benchmarks/structured_throughput.py write-model /tmp/tiny-smollm2 --preset tiny \\
+    python benchmarks/engine/structured_throughput.py write-model /tmp/tiny-smollm2 --preset tiny \\
         --vocab-size 128256 --tokenizer smollm2
-    python benchmarks/structured_throughput.py run --model /tmp/tiny-smollm2 --requests 32 \\
+    python benchmarks/engine/structured_throughput.py run --model /tmp/tiny-smollm2 --requests 32 \\
         --max-num-seqs 16 --input-len 32 --output-len 32
 """
 
@@ -54,14 +54,14 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
-from benchmarks.serving.json_check import check_outputs, formats_from_file  # noqa: E402
+from tidegate.benchmarks.harness.json_check import check_outputs, formats_from_file  # noqa: E402
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
+
 from tidegate.model_files.model_source import resolve_model  # noqa: E402
 from tidegate.model_files.tokenizer import load_tokenizer  # noqa: E402
 from tidegate.protocol import SamplingParams  # noqa: E402
-from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 
 # Four strings without maxLength (a random model keeps writing the first one), an integer and
 # an array, all required: the grammar's states are those of real extraction schemas.
@@ -88,9 +88,8 @@ def tokenizer_files(spec: str, out: Path) -> int:
     """Write the tokenizer of ``spec`` into the model directory ``out``; returns its vocabulary.
     ``spec``: a model spec (``smollm2``, a model directory) or a directory of tokenizer files
     alone (what ``Tokenizer.save`` writes: tokenizer.json, tokenizer_config.json, ...)."""
+    from tidegate.worker.quantization.checkpoint_writer import TOKENIZER_FILES
     from tokenizers import Tokenizer as Backend
-
-    from worker.quantization.checkpoint_writer import TOKENIZER_FILES
 
     path = Path(spec)
     if path.is_dir() and not (path / "config.json").is_file():
@@ -111,11 +110,13 @@ def write_model(out: Path, preset: str, tokenizer_spec: str, *, vocab_size: int 
     (``init_random_weights``, one safetensors shard per layer) and the tokenizer's files.
     Kept as it is when a finished one with the same arguments is there already."""
     from safetensors.torch import save_file
-
-    from worker.models.decoder import hf_tensor_sources
-    from worker.models.loaders.loader import empty_model
-    from worker.models.loaders.random_weights import init_random_weights, preset_llama_config
-    from worker.quantization.checkpoint_writer import hf_config_json
+    from tidegate.worker.models.decoder import hf_tensor_sources
+    from tidegate.worker.models.loaders.loader import empty_model
+    from tidegate.worker.models.loaders.random_weights import (
+        init_random_weights,
+        preset_llama_config,
+    )
+    from tidegate.worker.quantization.checkpoint_writer import hf_config_json
 
     asked = {"preset": preset, "tokenizer": tokenizer_spec, "vocab_size": vocab_size,
              "seed": seed}
@@ -266,8 +267,8 @@ def run_batch(engine: Engine, label: str, prompt_ids: list[list[int]], out_len: 
 def device_times(engine: Engine, model: Any, vocab: int, rows: int) -> dict[str, float]:
     """CUDA only: one full decode step's device time (its captured graph replayed, as
     ``gpu_throughput.decode_device_ms``) and the mask kernel's over ``rows`` masked rows."""
-    from benchmarks.gpu_throughput import cuda_time_ms, decode_device_ms
-    from kernels import ops
+    from tidegate.benchmarks.engine.gpu_throughput import cuda_time_ms, decode_device_ms
+    from tidegate.kernels import ops
 
     out: dict[str, float] = {}
     loaded = type("Loaded", (), {"model": model})()
@@ -287,7 +288,7 @@ def device_times(engine: Engine, model: Any, vocab: int, rows: int) -> dict[str,
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from worker.models.loaders.loader import load_model
+    from tidegate.worker.models.loaders.loader import load_model
 
     device = args.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32

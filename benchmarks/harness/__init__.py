@@ -1,4 +1,5 @@
-"""The serving benchmark's parts (``benchmarks/serve.py`` is the entry point).
+"""The benchmarks' shared harness: the stack of real processes, workloads, load generation,
+metrics and reports (``benchmarks/serving/serve.py`` is its fullest user).
 
 ``stack`` starts and stops the real processes, ``workload`` builds prompts and arrival
 schedules, ``http`` and ``follow`` are the load generator's client side, ``loadgen`` runs it in

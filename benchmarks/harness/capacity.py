@@ -21,10 +21,23 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import redis
+from tidegate.benchmarks.harness.loadgen import (
+    ClientPlan,
+    Endpoints,
+    JobSpec,
+    LoadResult,
+    run_load,
+    shard,
+)
+from tidegate.benchmarks.harness.metrics import (
+    Dist,
+    Slo,
+    exactness_problem,
+    generator_use,
+    stack_shares,
+)
+from tidegate.benchmarks.harness.workload import WORDS
 
-from benchmarks.serving.loadgen import ClientPlan, Endpoints, JobSpec, LoadResult, run_load, shard
-from benchmarks.serving.metrics import Dist, Slo, exactness_problem, generator_use, stack_shares
-from benchmarks.serving.workload import WORDS
 from tidegate import keys
 from tidegate.events.event_log import EVENT_FIELD
 from tidegate.http.auth import ANONYMOUS, new_stream_token, tenant_of, token_hash

@@ -15,7 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
-from benchmarks.serving.stack import (
+from tidegate.benchmarks.harness.stack import (
     TIDEGATE,
     Stack,
     StackConfig,

@@ -4,7 +4,7 @@ serve.py runs this as a subprocess with worker 0's ``TIDEGATE_*`` environment, b
 process starts (on CUDA each engine takes ~90% of the GPU's free memory for its KV cache, so
 the two must never overlap):
 
-    python -m benchmarks.serving.engine_alone SPEC.json OUT.json
+    python -m tidegate.benchmarks.harness.engine_alone SPEC.json OUT.json
 
 The model and the engine come from the worker's own ``build_engine``, warmed up by its own
 ``calibrate``, loaded once for every run of the spec. A burst adds every prompt's token ids at
@@ -28,14 +28,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from tidegate.benchmarks.harness.metrics import Dist
+from tidegate.worker.engine.engine import Engine, EngineRequest
+from tidegate.worker.service.service import build_engine
+from tidegate.worker.shedding.calibration import calibrate
+from tidegate.worker.shedding.load_shedder import LoadShedder, ShedderConfig
 
-from benchmarks.serving.metrics import Dist
 from tidegate.protocol import SamplingParams, now_ms
 from tidegate.settings import load_settings
-from worker.engine.engine import Engine, EngineRequest
-from worker.service.service import build_engine
-from worker.shedding.calibration import calibrate
-from worker.shedding.load_shedder import LoadShedder, ShedderConfig
 
 
 def params_of(n: int, formats: list[dict[str, Any] | None] | None, i: int) -> SamplingParams:

@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.serving.workload import Work
+from tidegate.benchmarks.harness.workload import Work
 
 ROOT = Path(__file__).resolve().parents[2]
 TIDEGATE = [sys.executable, "-m", "tidegate"]
@@ -58,8 +58,9 @@ def free_port() -> int:
 
 def base_env(cfg: StackConfig, redis_url: str) -> dict[str, str]:
     """The environment every tidegate process gets (LD_LIBRARY_PATH and the rest pass through)."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "TIDEGATE_REDIS_URL": redis_url,
+    # PYTHONSAFEPATH: the processes start in the checkout, whose folders must not hide installed
+    # packages (``kernels/`` is ``tidegate.kernels``, not Hugging Face's ``kernels``).
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "TIDEGATE_REDIS_URL": redis_url,
            "TIDEGATE_MODEL": cfg.model, "TIDEGATE_LOG_LEVEL": "WARNING",
            "TIDEGATE_HOST": "127.0.0.1",
            "TIDEGATE_DEFAULT_TIMEOUT_S": str(cfg.default_timeout_s)}
@@ -279,7 +280,7 @@ class Stack:
 
 def run_engine_alone(cfg: StackConfig, works: dict[str, tuple[Work, bool]], timeout_s: float,
                      logdir: Path) -> dict[str, dict]:
-    """The engine alone on each work (``benchmarks.serving.engine_alone``; the flag: on its
+    """The engine alone on each work (``tidegate.benchmarks.harness.engine_alone``; the flag: on its
     arrival schedule, else all at once) in one subprocess with worker 0's environment; it
     has exited, its memory freed, when this returns. Results by the works' names."""
     spec, out = logdir / "engine_alone_spec.json", logdir / "engine_alone_out.json"
@@ -290,7 +291,7 @@ def run_engine_alone(cfg: StackConfig, works: dict[str, tuple[Work, bool]], time
                "formats": list(work.formats) or None}
         for name, (work, on_schedule) in works.items()}}))
     env = worker_env(cfg, 0, "redis://127.0.0.1:1/0", 0)  # it never touches Redis
-    proc = spawn([sys.executable, "-m", "benchmarks.serving.engine_alone", str(spec), str(out)],
+    proc = spawn([sys.executable, "-m", "tidegate.benchmarks.harness.engine_alone", str(spec), str(out)],
                  env, logdir / "engine_alone.log")
     try:
         code = proc.wait(cfg.startup_timeout_s + 3600)

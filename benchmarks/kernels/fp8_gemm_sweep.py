@@ -1,4 +1,4 @@
-"""FP8 W8A8 GEMMs on the GPU: the tiles of ``kernels.fp8_linear_triton`` against cuBLAS.
+"""FP8 W8A8 GEMMs on the GPU: the tiles of ``tidegate.kernels.gpu.fp8_linear_triton`` against cuBLAS.
 
 For Llama-3-8B's projections at the row counts of offline serving (a decode step of 256-1024
 sequences, a prefill chunk of 4096-16384 tokens): every candidate ``Fp8GemmConfig`` of the
@@ -7,14 +7,13 @@ the same row-wise scales (``torch._scaled_mm``, per-token activation and per-cha
 scales, on the same e4m3 operands) and cuBLAS's bf16 GEMM (``F.linear``, what the engine runs
 for bf16 weights). Each timing is the median of CUDA-event-timed repeats after a warm-up.
 
-    python benchmarks/fp8_gemm_sweep.py --out $OUT/fp8_gemm.json
+    python benchmarks/kernels/fp8_gemm_sweep.py --out $OUT/fp8_gemm.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -23,17 +22,16 @@ import torch
 import torch.nn.functional as F
 import triton
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
-from benchmarks.gpu_throughput import cuda_time_ms  # noqa: E402
-from kernels.fp8_linear_triton import (  # noqa: E402
+from tidegate.benchmarks.engine.gpu_throughput import cuda_time_ms  # noqa: E402
+from tidegate.kernels.gpu.fp8_linear_triton import (  # noqa: E402
     Fp8GemmConfig,
     default_config,
     fp8_linear_triton,
     quantize_rows_fp8,
 )
-from kernels.fp8_weight import Fp8Weight  # noqa: E402
+from tidegate.kernels.weights.fp8_weight import Fp8Weight  # noqa: E402
 
 H, INTER = 4096, 14336
 SHAPES = {"qkv": (6144, H, False), "o": (H, H, False), "gate_up": (2 * INTER, H, False),

@@ -17,7 +17,7 @@ script finds the tile per projection shape and shows what a whole step's project
 Every timing replays a CUDA graph of calls on rotating weight copies (more bytes than the 60 MB
 L2), so launch gaps inside a graph count and the L2 serves no weights.
 
-    python benchmarks/gemv_sweep.py --out $OUT/gemv.json
+    python benchmarks/kernels/gemv_sweep.py --out $OUT/gemv.json
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import argparse
 import itertools
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,12 +36,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
-from kernels.activation_triton import silu_and_mul_triton  # noqa: E402
-from kernels.linear_triton import SkinnyConfig, skinny_linear_triton  # noqa: E402
-from kernels.rmsnorm_triton import rms_norm_triton  # noqa: E402
+from tidegate.kernels.gpu.activation_triton import silu_and_mul_triton  # noqa: E402
+from tidegate.kernels.gpu.linear_triton import SkinnyConfig, skinny_linear_triton  # noqa: E402
+from tidegate.kernels.gpu.rmsnorm_triton import rms_norm_triton  # noqa: E402
 
 H, INTER, HQ, HK, D, V, LAYERS = 4096, 14336, 32, 8, 128, 128256, 32
 SHAPES = {  # name: (N, K, silu, norm)

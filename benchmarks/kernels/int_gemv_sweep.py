@@ -13,14 +13,13 @@ has none) and what that one streams.
 Every timing replays a CUDA graph of calls on rotating weight copies (more bytes than the 60 MB
 L2), so the L2 serves no weights (``gemv_sweep.graph_time_us``).
 
-    python benchmarks/int_gemv_sweep.py --out $OUT/int_gemv.json
+    python benchmarks/kernels/int_gemv_sweep.py --out $OUT/int_gemv.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -30,21 +29,20 @@ import torch
 import torch.nn.functional as F
 import triton
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
-from benchmarks.gemv_sweep import graph_time_us  # noqa: E402
-from kernels.activation import silu_and_mul_ref  # noqa: E402
-from kernels.int_gemv_triton import IntGemvConfig  # noqa: E402
-from kernels.int_gemv_triton import default_config as gemv_default  # noqa: E402
-from kernels.int_linear_triton import (  # noqa: E402
+from tidegate.benchmarks.kernels.gemv_sweep import graph_time_us  # noqa: E402
+from tidegate.kernels.gpu.int_gemv_triton import IntGemvConfig  # noqa: E402
+from tidegate.kernels.gpu.int_gemv_triton import default_config as gemv_default  # noqa: E402
+from tidegate.kernels.gpu.int_linear_triton import (  # noqa: E402
     IntLinearConfig,
     default_config,
     int_linear_triton,
 )
-from kernels.int_weight import IntWeight  # noqa: E402
-from kernels.linear_triton import skinny_linear_triton  # noqa: E402
-from kernels.rmsnorm import rms_norm_ref  # noqa: E402
+from tidegate.kernels.gpu.linear_triton import skinny_linear_triton  # noqa: E402
+from tidegate.kernels.reference.activation import silu_and_mul_ref  # noqa: E402
+from tidegate.kernels.reference.rmsnorm import rms_norm_ref  # noqa: E402
+from tidegate.kernels.weights.int_weight import IntWeight  # noqa: E402
 
 H, INTER = 4096, 14336
 SHAPES = {  # name: (weight rows, K, silu, norm, add)
@@ -114,7 +112,7 @@ class Problem:
         return [lambda w=w: int_linear_triton(self.x, w, config=cfg, **self.kw) for w in self.ws]
 
     def rel_err(self, cfg: IntLinearConfig | IntGemvConfig | None) -> float:
-        # The float32 reference, spelled out: kernels.linear would pull in gguf.
+        # The float32 reference, spelled out: tidegate.kernels.cpu.linear would pull in gguf.
         got = int_linear_triton(self.x, self.ws[0], config=cfg, **self.kw).float()
         x = self.x.float()
         if "norm_weight" in self.kw:

@@ -1,26 +1,24 @@
 """The batched LoRA kernels alone on the GPU: one layer's four projections (Llama-3-8B shapes,
 8 rank-16 adapters in bf16, rows spread uniformly over them) per tile configuration, beside the
-base projections' GEMMs on the same rows. It chose ``kernels.lora_triton``'s tile constants.
+base projections' GEMMs on the same rows. It chose ``tidegate.kernels.gpu.lora_triton``'s tile constants.
 
-    python benchmarks/lora_kernels.py --out $OUT/lora_kernels_h200.json
+    python benchmarks/kernels/lora_kernels.py --out $OUT/lora_kernels_h200.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import triton.testing
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
-import kernels.lora_triton as lt  # noqa: E402
-from kernels.lora import LoraStack  # noqa: E402
-from kernels.ops import lora_rows  # noqa: E402
+import tidegate.kernels.gpu.lora_triton as lt  # noqa: E402
+from tidegate.kernels.ops import lora_rows  # noqa: E402
+from tidegate.kernels.reference.lora import LoraStack  # noqa: E402
 
 HIDDEN, INTER, Q, KV = 4096, 14336, 4096, 1024
 PROJECTIONS = {"qkv": (HIDDEN, Q + 2 * KV, (Q, Q + KV), True),

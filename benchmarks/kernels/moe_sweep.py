@@ -1,10 +1,10 @@
-"""Launch shapes of the fused MoE kernels (``kernels.moe_triton``) on the GPU: each candidate
+"""Launch shapes of the fused MoE kernels (``tidegate.kernels.gpu.moe_triton``) on the GPU: each candidate
 ``MoeTiles`` timed on the expert layers of Mixtral-8x7B and Qwen3-30B-A3B at a decode of one
 token, a decode step of 1024 sequences and a prefill step of 16384 tokens (bf16, random
 weights), with the bytes and FLOPs each call must move against the copy bandwidth and the
 tensor-core peak.
 
-    python3 benchmarks/moe_sweep.py --out moe_sweep.json
+    python3 benchmarks/kernels/moe_sweep.py --out moe_sweep.json
 """
 
 from __future__ import annotations
@@ -12,14 +12,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.moe_triton import MoeTiles, default_tiles, moe_triton  # noqa: E402
+from tidegate.kernels.gpu.moe_triton import MoeTiles, default_tiles, moe_triton  # noqa: E402
 
 # name -> (experts, top_k, hidden, intermediate)
 MODELS = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768)}

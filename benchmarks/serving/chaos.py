@@ -7,7 +7,7 @@ Starts redis-server (``appendonly yes``, ``appendfsync always``, its own directo
    sampled with a seed; ``--max-tokens`` long enough to be mid-generation when a kill lands),
    each followed by a client over the gateway's WebSocket (every ``--sse-every``-th over SSE)
    that reconnects with its last event id after any drop, as a careful user's code does
-   (``benchmarks.serving.patient_client``). Meanwhile ``ChaosMonkey`` SIGKILLs workers
+   (``tidegate.benchmarks.harness.patient_client``). Meanwhile ``ChaosMonkey`` SIGKILLs workers
    (starting another each time), SIGKILLs Redis and starts it again from its AOF, and
    SIGKILLs the gateway and starts it again. Submitting goes on until ``--jobs`` jobs were
    accepted and the whole chaos plan was carried out;
@@ -22,12 +22,12 @@ dead-lettered; and its text equals the reference run's for the same request (gre
 requests are deterministic). Redis is checked at the end too: no entry pending, no dead letter,
 and every job's stored event stream replayed through the same checker.
 
-    # the benchmark (benchmarks/results/chaos.md, run C)
-    python benchmarks/chaos.py --jobs 500 --workers 3 --concurrency 48 --max-tokens 150 1000 \\
+    # the benchmark (benchmarks/results/serving/chaos.md, run C)
+    python benchmarks/serving/chaos.py --jobs 500 --workers 3 --concurrency 48 --max-tokens 150 1000 \\
         --worker-kills 24 --redis-restarts 4 --gateway-restarts 3 --chaos-s 240 \\
-        --visibility-timeout-s 8 --out benchmarks/results/chaos.json
+        --visibility-timeout-s 8 --out benchmarks/results/serving/chaos.json
     # a short run (tests/e2e/test_chaos.py runs one like it)
-    python benchmarks/chaos.py --jobs 40 --workers 3 --concurrency 24 --max-tokens 80 400 \\
+    python benchmarks/serving/chaos.py --jobs 40 --workers 3 --concurrency 24 --max-tokens 80 400 \\
         --worker-kills 4 --redis-restarts 2 --gateway-restarts 1 --chaos-s 20 \\
         --visibility-timeout-s 8
 
@@ -52,16 +52,15 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's tidegate, not an installed one
+ROOT = Path(__file__).resolve().parents[2]
 
 import redis  # noqa: E402
+from tidegate.benchmarks.harness.chaos_monkey import ChaosMonkey, ChaosPlan  # noqa: E402
+from tidegate.benchmarks.harness.chaos_stack import ChaosStack  # noqa: E402
+from tidegate.benchmarks.harness.patient_client import GaveUp, PatientClient  # noqa: E402
+from tidegate.benchmarks.harness.stack import StackConfig  # noqa: E402
+from tidegate.benchmarks.harness.stream_check import StreamCheck  # noqa: E402
 
-from benchmarks.serving.chaos_monkey import ChaosMonkey, ChaosPlan  # noqa: E402
-from benchmarks.serving.chaos_stack import ChaosStack  # noqa: E402
-from benchmarks.serving.patient_client import GaveUp, PatientClient  # noqa: E402
-from benchmarks.serving.stack import StackConfig  # noqa: E402
-from benchmarks.serving.stream_check import StreamCheck  # noqa: E402
 from tidegate import keys  # noqa: E402
 from tidegate.events.event_log import EVENT_FIELD  # noqa: E402
 
@@ -473,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from(args)
     logdir = args.logdir or Path(tempfile.mkdtemp(prefix="tidegate-chaos-"))
     report = asyncio.run(run_chaos(cfg, logdir))
-    report["command"] = "python benchmarks/chaos.py " + " ".join(sys.argv[1:] if argv is None
+    report["command"] = "python benchmarks/serving/chaos.py " + " ".join(sys.argv[1:] if argv is None
                                                                   else argv)
     report["machine"] = f"{platform.node()} {platform.machine()}, {_cores()} cores"
     if args.out:  # the figures; every job's outcome stays in the log directory's report.json

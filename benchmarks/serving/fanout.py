@@ -6,8 +6,8 @@ R events/s spread over the M jobs; every event carries
 its publish time, so each client measures publish -> receive latency. Reported per N:
 delivered messages/s, latency p50/p99, the gateway's CPU and its memory per connection.
 
-    python benchmarks/fanout.py                       # 1k, 5k, 10k clients, 20k msg/s
-    python benchmarks/fanout.py --connections 2000 --delivered 5000 --duration 10
+    python benchmarks/serving/fanout.py                       # 1k, 5k, 10k clients, 20k msg/s
+    python benchmarks/serving/fanout.py --connections 2000 --delivered 5000 --duration 10
 
 The clients run in separate processes (``--client-procs``) so the gateway process is measured
 alone; all of it shares this machine's cores, so client and publisher CPU is part of the load.
@@ -31,8 +31,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 from tidegate.events.event_log import EventBatch, EventLog  # noqa: E402
 from tidegate.jobstore import enqueue  # noqa: E402
@@ -371,11 +370,11 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=20)
     ap.add_argument("--client-procs", type=int, default=2)
     ap.add_argument("--redis-url", default=None, help="default: start a redis-server")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/fanout.json"))
-    ap.add_argument("--plot", default=str(ROOT / "benchmarks/results/fanout.png"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/serving/fanout.json"))
+    ap.add_argument("--plot", default=str(ROOT / "benchmarks/results/serving/fanout.png"))
     args = ap.parse_args()
     raise_file_limit()
-    from tests.conftest import free_port
+    from tidegate.benchmarks.harness.stack import free_port
 
     redis_proc = None
     redis_url = args.redis_url

@@ -5,7 +5,7 @@ WebSocket and SSE endpoints (hypothesis). Counts requests, 5xx answers, hangs (n
 end within 30 s), broken sockets (1006, resets) and the tracebacks in the server's log; p99
 latency.
 
-    python -m benchmarks.fuzz --requests 20000 --json benchmarks/results/fuzz.json
+    python -m tidegate.benchmarks.serving.fuzz --requests 20000 --json benchmarks/results/serving/fuzz.json
 
 Exit status 1 unless the run is clean (0 5xx, 0 hangs, 0 broken sockets, 0 tracebacks).
 ``tests/e2e/test_fuzz.py`` runs the same with a budget of about a minute.
@@ -23,15 +23,15 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.fuzzing.http_cases import fuzz_http, operations
-from benchmarks.fuzzing.socket_cases import (
+from tidegate.benchmarks.serving.fuzzing.http_cases import fuzz_http, operations
+from tidegate.benchmarks.serving.fuzzing.socket_cases import (
     finished_jobs,
     fuzz_sse,
     fuzz_submit_socket,
     fuzz_watch_socket,
 )
-from benchmarks.fuzzing.stack import FuzzStack, redis_server, tidegate_up
-from benchmarks.fuzzing.tally import LogProblems, Tally, log_problems
+from tidegate.benchmarks.serving.fuzzing.stack import FuzzStack, redis_server, tidegate_up
+from tidegate.benchmarks.serving.fuzzing.tally import LogProblems, Tally, log_problems
 
 SOCKET_SHARE = 0.25  # of the requests: WebSocket sessions and SSE streams, split in three
 

@@ -8,9 +8,9 @@ expired job and stops a running one at its deadline, but admits whatever arrives
 are free. Reported per rate and mode: goodput, share admitted, rejection latency (submit ->
 rejected event) p50/p99, TTFT p99 of the jobs that finished in time.
 
-Usage:  python benchmarks/goodput.py [--seconds 25] [--deadline-s 6] [--max-tokens 32]
+Usage:  python benchmarks/serving/goodput.py [--seconds 25] [--deadline-s 6] [--max-tokens 32]
                                      [--modes shedding fifo] [--capacity JOBS_PER_S]
-                                     [--out benchmarks/results/goodput.json] [--plot PNG]
+                                     [--out benchmarks/results/serving/goodput.json] [--plot PNG]
 """
 
 from __future__ import annotations
@@ -209,8 +209,8 @@ async def main() -> None:
                     choices=["shedding", "fifo"])
     ap.add_argument("--capacity", type=float,
                     help="jobs/s, skip measuring it (and merge into an existing --out)")
-    ap.add_argument("--out", default="benchmarks/results/goodput.json")
-    ap.add_argument("--plot", default="benchmarks/results/goodput.png")
+    ap.add_argument("--out", default="benchmarks/results/serving/goodput.json")
+    ap.add_argument("--plot", default="benchmarks/results/serving/goodput.png")
     args = ap.parse_args()
     results = {"multipliers": args.multipliers,
                "job": {"max_tokens": args.max_tokens, "deadline_s": args.deadline_s}}

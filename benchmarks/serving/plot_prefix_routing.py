@@ -1,9 +1,9 @@
-"""Plot ``benchmarks/prefix_routing.py`` runs: per run, the time to first token of every job
+"""Plot ``benchmarks/serving/prefix_routing.py`` runs: per run, the time to first token of every job
 (its distribution, routing off against on) with the prefix-cache hit rates in the legend.
 
-    python benchmarks/plot_prefix_routing.py benchmarks/results/prefix_routing_smollm2.json \\
-        benchmarks/results/prefix_routing_smollm2_small_cache.json \\
-        --out benchmarks/results/prefix_routing.png
+    python benchmarks/serving/plot_prefix_routing.py benchmarks/results/serving/prefix_routing_smollm2.json \\
+        benchmarks/results/serving/prefix_routing_smollm2_small_cache.json \\
+        --out benchmarks/results/serving/prefix_routing.png
 """
 
 from __future__ import annotations

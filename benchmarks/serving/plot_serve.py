@@ -1,9 +1,9 @@
 """Latency against request rate from several serve.py result files, on one figure.
 
-    python benchmarks/plot_serve.py benchmarks/results/serve_h200.png \
-        "before (call 2):benchmarks/results/serve_h200_call2.json" \
-        "sweep, 600 jobs:benchmarks/results/serve_h200_sweep.json" \
-        "final, 1600 jobs:benchmarks/results/serve_h200_poisson.json"
+    python benchmarks/serving/plot_serve.py benchmarks/results/serving/serve_h200.png \
+        "before (call 2):benchmarks/results/serving/serve_h200_call2.json" \
+        "sweep, 600 jobs:benchmarks/results/serving/serve_h200_sweep.json" \
+        "final, 1600 jobs:benchmarks/results/serving/serve_h200_poisson.json"
 
 Each series is ``label:path``; its Poisson runs give TTFT and TPOT p50/p99 and the output
 tokens/s against the rate. Where a run carries the engine alone on the same arrivals

@@ -9,10 +9,10 @@ rate over all workers (prompt tokens found cached / prompt tokens), each worker'
 jobs and how it took them (routed, shared, stolen), time to first token (created -> first
 token, from the job's result), wall time; and routing's gain over off.
 
-    python benchmarks/prefix_routing.py --model random:tiny --workers 4 \\
-        --out benchmarks/results/prefix_routing_tiny.json
-    python benchmarks/prefix_routing.py --model smollm2 --workers 2 --kv-cache-gb 0.15 \\
-        --torch-threads 1 --out benchmarks/results/prefix_routing_smollm2.json
+    python benchmarks/serving/prefix_routing.py --model random:tiny --workers 4 \\
+        --out benchmarks/results/serving/prefix_routing_tiny.json
+    python benchmarks/serving/prefix_routing.py --model smollm2 --workers 2 --kv-cache-gb 0.15 \\
+        --torch-threads 1 --out benchmarks/results/serving/prefix_routing_smollm2.json
 """
 
 from __future__ import annotations
@@ -31,11 +31,9 @@ from pathlib import Path
 
 import redis as redis_sync
 from prometheus_client.parser import text_string_to_metric_families
+from tidegate.benchmarks.harness.stack import Stack, StackConfig  # noqa: E402
+from tidegate.producer.client import Client  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.serving.stack import Stack, StackConfig  # noqa: E402
-from producer.client import Client  # noqa: E402
 from tidegate import keys  # noqa: E402
 from tidegate.model_files.model_source import resolve_model  # noqa: E402
 from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer  # noqa: E402

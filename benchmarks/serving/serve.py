@@ -14,23 +14,23 @@ final event and it is last, token texts == stored text, tokens == usage == the o
 With ``--response-format FILE`` every job (the warm-up's too) carries a response_format, the
 file's formats taken in turn; such a job may also end before its length where its grammar is
 complete, and its stored text is checked against its JSON schema
-(``benchmarks.serving.json_check``).
+(``tidegate.benchmarks.harness.json_check``).
 Prints one row per run and writes everything to ``--out`` (and ``--plot`` with matplotlib).
 
     # this CPU machine
-    python benchmarks/serve.py --model random:tiny --max-num-seqs 256 \\
+    python benchmarks/serving/serve.py --model random:tiny --max-num-seqs 256 \\
         --max-num-batched-tokens 2048 --burst 600 --input-len 64 --output-len 64
-    python benchmarks/serve.py --model smollm2 --burst 32 --length-dist uniform \\
+    python benchmarks/serving/serve.py --model smollm2 --burst 32 --length-dist uniform \\
         --input-range 16 256 --output-range 16 128
     # one H200, 16 cores
-    python benchmarks/serve.py --device cuda --model random:llama-3-8b --max-num-seqs 1024 \\
+    python benchmarks/serving/serve.py --device cuda --model random:llama-3-8b --max-num-seqs 1024 \\
         --max-num-batched-tokens 16384 --burst 1000 --input-len 256 --output-len 256 \\
         --rates 20 30 40 50 60 70 --num-prompts 1000 --client-procs 4
     # a smoke test; the generator's ceiling alone
-    python benchmarks/serve.py --quick --model random:tiny
+    python benchmarks/serving/serve.py --quick --model random:tiny
     # every job JSON-schema constrained (a schema, a response_format, or a list of either)
-    python benchmarks/serve.py --quick --model smollm2 --response-format schema.json
-    python benchmarks/serve.py --capacity-check
+    python benchmarks/serving/serve.py --quick --model smollm2 --response-format schema.json
+    python benchmarks/serving/serve.py --capacity-check
 """
 
 from __future__ import annotations
@@ -48,12 +48,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's tidegate, not an installed one
+ROOT = Path(__file__).resolve().parents[2]
 
-from benchmarks.serving import capacity, report  # noqa: E402
-from benchmarks.serving.json_check import check_outputs, formats_from_file  # noqa: E402
-from benchmarks.serving.loadgen import (  # noqa: E402
+from tidegate.benchmarks.harness import capacity, report  # noqa: E402
+from tidegate.benchmarks.harness.json_check import check_outputs, formats_from_file  # noqa: E402
+from tidegate.benchmarks.harness.loadgen import (  # noqa: E402
     ClientPlan,
     Endpoints,
     JobSpec,
@@ -62,9 +61,9 @@ from benchmarks.serving.loadgen import (  # noqa: E402
     run_load,
     shard,
 )
-from benchmarks.serving.metrics import RunSummary, Slo, job_details, summarize  # noqa: E402
-from benchmarks.serving.stack import Stack, StackConfig, StackError, run_engine_alone  # noqa: E402
-from benchmarks.serving.workload import Work, build_work, poisson_offsets  # noqa: E402
+from tidegate.benchmarks.harness.metrics import RunSummary, Slo, job_details, summarize  # noqa: E402
+from tidegate.benchmarks.harness.stack import Stack, StackConfig, StackError, run_engine_alone  # noqa: E402
+from tidegate.benchmarks.harness.workload import Work, build_work, poisson_offsets  # noqa: E402
 
 SECTIONS = ("capacity", "burst", "rates")
 WARM_UP, WARM_UP_JOBS = "warm-up", 4
@@ -173,8 +172,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     g = ap.add_argument_group("output")
     g.add_argument("--logdir", help="process logs (default: a new temp dir)")
-    g.add_argument("--out", default=str(ROOT / "benchmarks/results/serve.json"))
-    g.add_argument("--plot", default=str(ROOT / "benchmarks/results/serve.png"),
+    g.add_argument("--out", default=str(ROOT / "benchmarks/results/serving/serve.json"))
+    g.add_argument("--plot", default=str(ROOT / "benchmarks/results/serving/serve.png"),
                    help="'' for none")
     g.add_argument("--save-detailed", action="store_true",
                    help="per-job timings and checks in the JSON too")

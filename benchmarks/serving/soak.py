@@ -1,22 +1,22 @@
 """Soak: the whole stack as processes at several times the worker's capacity, memory sampled.
 
-Starts redis-server, ``tidegate api``, ``tidegate gateway`` and one worker (``benchmarks/serving/
+Starts redis-server, ``tidegate api``, ``tidegate gateway`` and one worker (``benchmarks/harness/
 stack.py``), then submits jobs over HTTP at ``--rate`` per second for ``--duration-s``: most
 with a short deadline (so the overloaded worker sheds them: ``rejected``), ``--cancel-fraction``
 cancelled right after their 202, ``--idempotent-fraction`` with an Idempotency-Key, and
 ``--follow-fraction`` followed over WebSocket to their final event. Every ``--sample-s`` it
 records Redis ``used_memory`` (INFO memory), the key count, the lane streams' length and each
 process's RSS. At the end it measures every key's ``MEMORY USAGE`` by kind and final status
-(``benchmarks.serving.footprint``) and fits a line to each memory series after ``--warmup-s``:
+(``tidegate.benchmarks.harness.footprint``) and fits a line to each memory series after ``--warmup-s``:
 flat memory has a slope near zero next to its level.
 
 Retention is short here (``--result-ttl-s`` and the rest, passed as ``TIDEGATE_*_TTL_S``) so
 the level is reached within the run: in the steady state Redis holds about
 ``sum over final statuses of rate x retention x bytes per job`` above its empty size.
 
-    python benchmarks/soak.py --duration-s 600 --out benchmarks/results/soak.json \\
-        --plot benchmarks/results/soak.png
-    python benchmarks/soak.py --duration-s 20 --sample-s 1   # a quick look
+    python benchmarks/serving/soak.py --duration-s 600 --out benchmarks/results/serving/soak.json \\
+        --plot benchmarks/results/serving/soak.png
+    python benchmarks/serving/soak.py --duration-s 20 --sample-s 1   # a quick look
 """
 
 from __future__ import annotations
@@ -27,22 +27,20 @@ import json
 import os
 import platform
 import random
-import sys
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's tidegate, not an installed one
+ROOT = Path(__file__).resolve().parents[2]
 
 import redis  # noqa: E402
+from tidegate.benchmarks.harness import footprint  # noqa: E402
+from tidegate.benchmarks.harness.follow import Trace, follow_ws  # noqa: E402
+from tidegate.benchmarks.harness.http import HttpError, Pool  # noqa: E402
+from tidegate.benchmarks.harness.stack import Stack, StackConfig  # noqa: E402
 
-from benchmarks.serving import footprint  # noqa: E402
-from benchmarks.serving.follow import Trace, follow_ws  # noqa: E402
-from benchmarks.serving.http import HttpError, Pool  # noqa: E402
-from benchmarks.serving.stack import Stack, StackConfig  # noqa: E402
 from tidegate import keys  # noqa: E402
 
 WORDS = ("tide", "gate", "harbor", "swell", "current", "ebb", "flow", "moon", "shore", "reef")

@@ -18,10 +18,10 @@ Nothing consumes the lane, so the API runs with ``TIDEGATE_MAX_BACKLOG`` far abo
 enqueues (no 429 can come) and Redis is flushed before every run; after each run the lane
 stream's length is compared with the 2xx answers counted (202s: every submit is new).
 
-    python benchmarks/submit.py                                  # both models, all scenarios
-    python benchmarks/submit.py --models random:tiny --scenarios plain --duration 5
-    python benchmarks/submit.py --api-cpus 0 --load-cpus 1       # API alone on core 0
-    python benchmarks/submit.py --generator python --requests 20000
+    python benchmarks/serving/submit.py                                  # both models, all scenarios
+    python benchmarks/serving/submit.py --models random:tiny --scenarios plain --duration 5
+    python benchmarks/serving/submit.py --api-cpus 0 --load-cpus 1       # API alone on core 0
+    python benchmarks/serving/submit.py --generator python --requests 20000
 
 Load generators: ``wrk`` (C; ``apt-get install wrk``) with a generated Lua script, the default
 when installed; ``python``, a raw asyncio HTTP/1.1 keep-alive client (uses a core's worth of
@@ -54,7 +54,7 @@ import redis
 from tidegate import keys
 from tidegate.model_files.served_model import default_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ("plain", "chat", "idem", "auth", "long", "limits")
 # How the API is started for a scenario (the others: no key, no limit): auth, extra env.
 API_CONFIGS: dict[str, tuple[bool, dict[str, str]]] = {
@@ -142,7 +142,7 @@ class ApiProc:
                  log_path: Path, max_backlog: int, extra_env: dict[str, str]):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TIDEGATE_MAX_BACKLOG": str(max_backlog),
+        env = {**os.environ, "TIDEGATE_MAX_BACKLOG": str(max_backlog),
                **extra_env}
         env.pop("TIDEGATE_API_KEYS_FILE", None)
         if auth:

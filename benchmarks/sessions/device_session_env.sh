@@ -21,6 +21,6 @@ serve() {
   local name=$1 limit=$2
   shift 2
   echo "== $name: up to ${limit}s (at ${SECONDS}s of the call)"
-  timeout "$limit" python3 benchmarks/serve.py "${common[@]}" --logdir "/tmp/logs/$name" \
+  timeout "$limit" python3 benchmarks/serving/serve.py "${common[@]}" --logdir "/tmp/logs/$name" \
     --out "$OUT/${RESULTS}_$name.json" "$@" || status=$?
 }

@@ -2,10 +2,10 @@
 # One GPU-machine call for the model families: their GPU tests, then offline 1000 x 256/256 and
 # batch-1 decode for each family's real shape (random weights), Llama-3-8B beside them.
 #
-#   bash benchmarks/families_session.sh [tests|none] [model ...]
+#   bash benchmarks/sessions/families_session.sh [tests|none] [model ...]
 #
 # Run from the repository root on the device machine (the `device` tool's `run`), with $OUT set;
-# carries .whl/ as benchmarks/gpu_session.sh does. Results: $OUT/families_<model>.json.
+# carries .whl/ as benchmarks/sessions/gpu_session.sh does. Results: $OUT/families_<model>.json.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -20,8 +20,8 @@ what=${1:-tests}
 shift || true
 if [[ $what == tests ]]; then
   files=()
-  for f in tests/gpu/test_gpu_families.py tests/kernels/test_moe.py \
-           tests/kernels/test_triton_family_attention.py tests/gpu/test_gpu_attention.py; do
+  for f in tests/gpu/test_gpu_families.py tests/kernels/reference/test_moe.py \
+           tests/kernels/gpu/test_triton_family_attention.py tests/gpu/test_gpu_attention.py; do
     [[ -f $f ]] && files+=("$f")
   done
   timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default "${files[@]}" \
@@ -31,6 +31,6 @@ for model in "$@"; do
   left=$(( 570 - SECONDS ))
   (( left > 30 )) || { echo "no time left for $model"; break; }
   name=${model#random:}
-  timeout $left python3 benchmarks/gpu_throughput.py --model "$model" \
+  timeout $left python3 benchmarks/engine/gpu_throughput.py --model "$model" \
     --only ${SECTIONS:-batch1 offline} --out "$OUT/families_$name.json" 2>&1 | tail -4
 done

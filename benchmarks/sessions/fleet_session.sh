@@ -2,7 +2,7 @@
 # One device-machine call of the fleet benchmark (issue 24): the machine's 16 CPU cores run the
 # fleet (Redis, APIs, gateways, random:tiny workers, clients); its GPU is not used.
 #
-#   bash benchmarks/fleet_session.sh NAME [fleet.py arguments...]
+#   bash benchmarks/sessions/fleet_session.sh NAME [fleet.py arguments...]
 #
 # Run from the repository root on the device machine (the `device` tool's `run`), with $OUT set.
 # Carried (git-ignored, named in the call's `carry`):
@@ -17,14 +17,14 @@ mkdir -p "$OUT"
 name=${1:?a name for this run}
 shift
 exec > >(tee -a "$OUT/session.log") 2>&1
-source benchmarks/device_session_env.sh
+source benchmarks/sessions/device_session_env.sh
 echo "cores: $(nproc); $(python3 -c 'import torch; print("torch", torch.__version__)')"
 .redisbin/run-redis-server --version || exit 1
 python3 -c "import redis, hiredis, pydantic, starlette, uvicorn, websockets, arq, \
-tidegate.commands.cli, worker.service.service, producer.api, streaming.gateway" || exit 1
+tidegate.commands.cli, tidegate.worker.service.service, tidegate.producer.api, tidegate.streaming.gateway" || exit 1
 logs=/tmp/fleet-logs-$name
 rm -rf "$logs"
-timeout $(( ${SESSION_BUDGET_S:-570} - SECONDS )) python3 benchmarks/fleet.py \
+timeout $(( ${SESSION_BUDGET_S:-570} - SECONDS )) python3 benchmarks/cluster/fleet.py \
   --redis-server .redisbin/run-redis-server --redis-cli .redisbin/run-redis-cli \
   --logdir "$logs" --out "$OUT/$name.json" "$@"
 status=$?

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call: set up, run the GPU tests, then the GPU benchmark sections asked for.
 #
-#   bash benchmarks/gpu_session.sh [tests|int-tests|kv-tests|engine-tests|quant-tests|none] [gpu_throughput.py sections...]
-#   SWEEPS="int fp8" bash benchmarks/gpu_session.sh ...   (also run int_gemv_sweep.py / fp8_gemm_sweep.py
+#   bash benchmarks/sessions/gpu_session.sh [tests|int-tests|kv-tests|engine-tests|quant-tests|none] [gpu_throughput.py sections...]
+#   SWEEPS="int fp8" bash benchmarks/sessions/gpu_session.sh ...   (also run int_gemv_sweep.py / fp8_gemm_sweep.py
 #                                                         after the tests, before the sections)
 #
 # Run from the repository root on the device machine (the `device` tool's `run`), with $OUT set.
@@ -39,14 +39,14 @@ shift || true
 case "$what" in
   tests)
     timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default \
-      tests/gpu tests/kernels/test_triton_elementwise.py tests/kernels/test_triton_attention.py \
-      tests/kernels/test_triton_linear.py tests/kernels/test_int_linear_triton.py \
+      tests/gpu tests/kernels/gpu/test_triton_elementwise.py tests/kernels/gpu/test_triton_attention.py \
+      tests/kernels/gpu/test_triton_linear.py tests/kernels/gpu/test_int_linear_triton.py \
       --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -40
     ;;
   int-tests)  # the integer-weight kernels and models, and the bf16 projections beside them
     timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default \
       tests/gpu/test_gpu_int_linear.py tests/gpu/test_gpu_int_model.py tests/gpu/test_gpu_linear.py \
-      tests/kernels/test_int_linear_triton.py --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -40
+      tests/kernels/gpu/test_int_linear_triton.py --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -40
     ;;
   kv-tests)  # the FP8 KV cache, and the attention and store kernels it changes
     timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default \
@@ -56,9 +56,9 @@ case "$what" in
   quant-tests)  # the FP8 and integer projections (W8A8 GEMM, e4m3 and dp4a weight streams)
     timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default \
       tests/gpu/test_gpu_fp8_linear.py tests/gpu/test_gpu_int_linear.py \
-      tests/gpu/test_gpu_int_model.py tests/kernels/test_fp8_linear_triton.py \
-      tests/kernels/test_int_gemv_triton.py tests/kernels/test_int_linear_triton.py \
-      tests/gpu/test_gpu_elementwise.py tests/kernels/test_triton_elementwise.py \
+      tests/gpu/test_gpu_int_model.py tests/kernels/gpu/test_fp8_linear_triton.py \
+      tests/kernels/gpu/test_int_gemv_triton.py tests/kernels/gpu/test_int_linear_triton.py \
+      tests/gpu/test_gpu_elementwise.py tests/kernels/gpu/test_triton_elementwise.py \
       --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -40
     ;;
   engine-tests)
@@ -70,12 +70,12 @@ esac
 
 for sweep in ${SWEEPS:-}; do
   case "$sweep" in
-    int) timeout 240 python3 benchmarks/int_gemv_sweep.py --rows 1 --out "$OUT/int_gemv.json" ;;
-    fp8) timeout 300 python3 benchmarks/fp8_gemm_sweep.py --out "$OUT/fp8_gemm.json" ;;
+    int) timeout 240 python3 benchmarks/kernels/int_gemv_sweep.py --rows 1 --out "$OUT/int_gemv.json" ;;
+    fp8) timeout 300 python3 benchmarks/kernels/fp8_gemm_sweep.py --out "$OUT/fp8_gemm.json" ;;
   esac
 done
 
 if (( $# )); then  # whatever is left of the call's 10 minutes, less a margin for the copy back
-  timeout $(( 575 - SECONDS )) python3 benchmarks/gpu_throughput.py --only "$@" \
+  timeout $(( 575 - SECONDS )) python3 benchmarks/engine/gpu_throughput.py --only "$@" \
     --out "$OUT/gpu.json"
 fi

@@ -2,8 +2,8 @@
 # One GPU-machine call for LoRA adapters against the base model, on Llama-3-8B's shape (random
 # bf16 weights) with 8 rank-16 adapters on every projection (random PEFT directories).
 #
-#   bash benchmarks/lora_session.sh offline [lora_throughput.py run arguments...]  # engine alone
-#   bash benchmarks/lora_session.sh serve [serve.py arguments...]                  # whole stack
+#   bash benchmarks/sessions/lora_session.sh offline [lora_throughput.py run arguments...]  # engine alone
+#   bash benchmarks/sessions/lora_session.sh serve [serve.py arguments...]                  # whole stack
 #
 # Run from the repository root on the device machine (the `device` tool's `run`), with $OUT set.
 # Carried (git-ignored, named in the call's `carry`): .whl/ (the wheels the image lacks,
@@ -28,7 +28,7 @@ shift
 exec > >(tee -a "$OUT/session.log") 2>&1
 BUDGET_S=${SESSION_BUDGET_S:-570}  # the call's 10 minutes less a margin for the copy back
 
-source benchmarks/device_session_env.sh
+source benchmarks/sessions/device_session_env.sh
 echo "cores: $(nproc); $(python3 -c 'import torch, triton
 print("torch", torch.__version__, "triton", triton.__version__)')"
 
@@ -36,7 +36,7 @@ PRESET=${PRESET:-llama-3-8b}
 COUNT=${COUNT:-8}
 ADAPTERS=${ADAPTERS:-/tmp/lora-adapters}
 if [[ ! -f $ADAPTERS/adapter$((COUNT - 1))/adapter_config.json ]]; then
-  python3 benchmarks/lora_throughput.py write-adapters "$ADAPTERS" --preset "$PRESET" \
+  python3 benchmarks/engine/lora_throughput.py write-adapters "$ADAPTERS" --preset "$PRESET" \
     --count "$COUNT" --rank 16 || exit 1
 fi
 names=()
@@ -44,7 +44,7 @@ for ((i = 0; i < COUNT; i++)); do names+=("adapter$i"); done
 echo "adapters ready after ${SECONDS}s"
 
 if [[ $what == offline ]]; then
-  timeout $((BUDGET_S - SECONDS)) python3 benchmarks/lora_throughput.py run \
+  timeout $((BUDGET_S - SECONDS)) python3 benchmarks/engine/lora_throughput.py run \
     --model "random:$PRESET" --device "${DEVICE:-cuda}" \
     --adapters "${names[@]/#/$ADAPTERS/}" --out "$OUT/lora_offline_h200.json" "$@"
   exit $?

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One GPU-machine call of the serving benchmark: set up, then benchmarks/serve.py.
+# One GPU-machine call of the serving benchmark: set up, then benchmarks/serving/serve.py.
 #
-#   bash benchmarks/serve_session.sh NAME [serve.py arguments...]
+#   bash benchmarks/sessions/serve_session.sh NAME [serve.py arguments...]
 #
 # Run from the repository root on the device machine (the `device` tool's `run`), with $OUT set.
 # Carried (git-ignored, named in the call's `carry`):
@@ -32,7 +32,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cores: $(nproc); $(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
 .redisbin/run-redis --version || exit 1
 python3 -c "import redis, hiredis, pydantic, pydantic_settings, starlette, uvicorn, websockets, \
-httptools, gguf, tidegate.commands.cli, worker.service.service, producer.api, streaming.gateway" || exit 1
+httptools, gguf, tidegate.commands.cli, tidegate.worker.service.service, tidegate.producer.api, tidegate.streaming.gateway" || exit 1
 
 if [[ -n "${TESTS:-}" ]]; then  # GPU tests first (TESTS="tests/gpu ..."), two minutes at most
   timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default $TESTS \
@@ -52,7 +52,7 @@ if [[ -n "${PROFILE_S:-}" && -x .tools/py-spy ]]; then
 fi
 # Whatever is left of this run's budget (the call's 10 minutes by default, less a margin for
 # packing and the copy back; SESSION_BUDGET_S when a call chains several runs).
-timeout $(( ${SESSION_BUDGET_S:-570} - SECONDS )) python3 benchmarks/serve.py --redis-server .redisbin/run-redis \
+timeout $(( ${SESSION_BUDGET_S:-570} - SECONDS )) python3 benchmarks/serving/serve.py --redis-server .redisbin/run-redis \
   --logdir "$logs" --out "$OUT/$name.json" --plot "$OUT/$name.png" "$@"
 status=$?
 tar czf "$OUT/$name-logs.tgz" -C "$logs" . 2>/dev/null

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # One GPU-machine call for speculative decoding: set up as gpu_session.sh does (the wheels in
 # .whl/, the default model's parts in .gm1/ and .gm2/), then
-#   bash benchmarks/speculative_session.sh bench   the H200 figures: speculative_gpu.py
-#   bash benchmarks/speculative_session.sh tests   the GPU tests of speculation (the default
+#   bash benchmarks/sessions/speculative_session.sh bench   the H200 figures: speculative_gpu.py
+#   bash benchmarks/sessions/speculative_session.sh tests   the GPU tests of speculation (the default
 #                                                  model, both parts carried by then)
 # Run from the repository root on the device machine (the `device` tool's `run`), with $OUT set.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-bash benchmarks/gpu_session.sh none
+bash benchmarks/sessions/gpu_session.sh none
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 export TIDEGATE_KERNEL_CACHE=/tmp/tidegate-kernels
 exec > >(tee -a "$OUT/session.log") 2>&1
 case ${1:-bench} in
   bench)
-    timeout $(( 570 - SECONDS )) python3 benchmarks/speculative_gpu.py \
+    timeout $(( 570 - SECONDS )) python3 benchmarks/engine/speculative_gpu.py \
       --out "$OUT/speculative_gpu.json" ;;
   tests)
     timeout $(( 570 - SECONDS )) python3 -m pytest -q -p no:cacheprovider -o addopts="" \

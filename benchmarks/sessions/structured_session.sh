@@ -3,8 +3,8 @@
 # shape (random bf16 weights, 128,256 logits) with SmolLM2's real 49,152-token tokenizer: the
 # grammar masks cost what they cost with a real vocabulary, not the random presets' 260 tokens.
 #
-#   bash benchmarks/structured_session.sh offline          # the engine alone, one process
-#   bash benchmarks/structured_session.sh serve [serve.py arguments...]   # the whole stack
+#   bash benchmarks/sessions/structured_session.sh offline          # the engine alone, one process
+#   bash benchmarks/sessions/structured_session.sh serve [serve.py arguments...]   # the whole stack
 #
 # Run from the repository root on the device machine (the `device` tool's `run`), with $OUT set.
 # Carried (git-ignored, named in the call's `carry`):
@@ -17,8 +17,8 @@
 #                 directory takes.
 # Both modes first write the model directory $MODEL_DIR (default /tmp/llama8b-smollm2; kept
 # when a machine still warm from the last call has it) with
-# benchmarks/structured_throughput.py write-model; every process then loads it as --model.
-# offline: benchmarks/structured_throughput.py run (free, every request constrained, half, free
+# benchmarks/engine/structured_throughput.py write-model; every process then loads it as --model.
+# offline: benchmarks/engine/structured_throughput.py run (free, every request constrained, half, free
 #   again, and the realistic schema set tests/fixtures/json_schemas.json where it exists), into
 #   $OUT/structured_offline_h200.json (texts: $OUT/structured_offline_texts.json).
 # serve: a 1000-job burst, 256 in / 256 out, at 256 seats, free then every job constrained by
@@ -36,21 +36,21 @@ shift
 exec > >(tee -a "$OUT/session.log") 2>&1
 BUDGET_S=${SESSION_BUDGET_S:-570}  # the call's 10 minutes less a margin for the copy back
 
-source benchmarks/device_session_env.sh
+source benchmarks/sessions/device_session_env.sh
 echo "cores: $(nproc); $(python3 -c 'import torch, triton, llguidance as g
 print("torch", torch.__version__, "triton", triton.__version__, "llguidance", g.__version__)')"
 
 MODEL_DIR=${MODEL_DIR:-/tmp/llama8b-smollm2}
-python3 benchmarks/structured_throughput.py write-model "$MODEL_DIR" \
+python3 benchmarks/engine/structured_throughput.py write-model "$MODEL_DIR" \
   --preset "${PRESET:-llama-3-8b}" ${VOCAB_SIZE:+--vocab-size "$VOCAB_SIZE"} \
   --tokenizer .tokenizers/smollm2 || exit 1
 schema=/tmp/structured-schema.json
-python3 -c 'import json; from benchmarks.structured_throughput import DEFAULT_SCHEMA as s
+python3 -c 'import json; from tidegate.benchmarks.engine.structured_throughput import DEFAULT_SCHEMA as s
 print(json.dumps(s))' >"$schema" || exit 1
 echo "model directory ready after ${SECONDS}s"
 
 if [[ $what == offline ]]; then
-  timeout $((BUDGET_S - SECONDS)) python3 benchmarks/structured_throughput.py run \
+  timeout $((BUDGET_S - SECONDS)) python3 benchmarks/engine/structured_throughput.py run \
     --model "$MODEL_DIR" --device "${DEVICE:-cuda}" \
     --out "$OUT/structured_offline_h200.json" --texts "$OUT/structured_offline_texts.json" "$@"
   exit $?

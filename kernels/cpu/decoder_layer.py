@@ -2,7 +2,7 @@
 
 At one row per sequence a layer's kernels take less time than the Python around them (dispatch,
 ctypes, allocation: about a third of a 20 ms step of the default model over ~10 calls per
-layer). When every projection of a layer multiplies 8-bit activations (``kernels.q8_activations``)
+layer). When every projection of a layer multiplies 8-bit activations (``tidegate.kernels.reference.q8_activations``)
 the whole layer is one call into C, which runs the same kernels in the same order as the
 op-by-op path: a row gets the same bits either way. Prompt chunks go the same way, each token a
 query row of the attention kernel with its sequence's block table and its own context length.
@@ -19,11 +19,10 @@ import ctypes
 from dataclasses import dataclass
 
 import torch
-
-from kernels.int_weight import IntWeight
-from kernels.native_cpu import NativeCpuKernels
-from kernels.packed_weight import PackedWeight
-from kernels.paged_attention import PagedLayer, kv_int8
+from tidegate.kernels.cpu.native_cpu import NativeCpuKernels
+from tidegate.kernels.cpu.paged_attention import PagedLayer, kv_int8
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.kernels.weights.packed_weight import PackedWeight
 
 # Layer structs kept (each holds its weights alive): a few models' worth.
 MAX_LAYERS = 1024
@@ -88,7 +87,7 @@ def _projection(weight: PackedWeight | IntWeight) -> _Projection:
 
 
 class LayerCall:
-    """The whole-layer call with its structs: one per process (``kernels.ops`` holds it)."""
+    """The whole-layer call with its structs: one per process (``tidegate.kernels.ops`` holds it)."""
 
     def __init__(self, native: NativeCpuKernels) -> None:
         self.native = native

@@ -10,16 +10,16 @@ A decode step's projections have a handful of rows: each is a stream over a weig
 * prefill chunks: ``F.linear``.
 Same arithmetic throughout; results differ only in summation order.
 
-Packed GGUF weights (``kernels.packed_weight``) go to the native packed kernel
+Packed GGUF weights (``tidegate.kernels.weights.packed_weight``) go to the native packed kernel
 (``csrc/packed_linear_cpu.c``), which dequantizes a strip of rows at a time into cache and
 multiplies it with float32 activations: the dequantized matrix's product up to summation order,
 which ``packed_linear_ref`` (dequantize, then ``linear_ref``) is. Integer weights with group
-scales (``kernels.int_weight``: GPTQ, AWQ, compressed-tensors) take the same kernel with their
-own row dequantizer; ``int_linear_ref`` is theirs. FP8 weights (``kernels.fp8_weight``) too:
+scales (``tidegate.kernels.weights.int_weight``: GPTQ, AWQ, compressed-tensors) take the same kernel with their
+own row dequantizer; ``int_linear_ref`` is theirs. FP8 weights (``tidegate.kernels.weights.fp8_weight``) too:
 the CPU has no FP8 arithmetic, so their rows are widened to float32 (exactly) and multiplied
 with float32 activations, weight-only; ``fp8_linear_ref`` is theirs.
 
-Weights in the "int8" activation mode (``kernels.q8_activations``) go to the 8-bit kernel
+Weights in the "int8" activation mode (``tidegate.kernels.reference.q8_activations``) go to the 8-bit kernel
 (``csrc/q8_linear_cpu.c``): x rounded per row to 8-bit blocks, integer dot products. Its
 reference is the same references with x rounded first (``dequantize_rows_q8_ref``).
 """
@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from kernels.activation import silu_and_mul_ref
-from kernels.fp8_weight import Fp8Weight
-from kernels.int_weight import IntWeight
-from kernels.native_cpu import native_kernels
-from kernels.packed_weight import PackedWeight
-from kernels.q8_activations import dequantize_rows_q8_ref
-from kernels.rmsnorm import rms_norm_ref
+from tidegate.kernels.cpu.native_cpu import native_kernels
+from tidegate.kernels.reference.activation import silu_and_mul_ref
+from tidegate.kernels.reference.q8_activations import dequantize_rows_q8_ref
+from tidegate.kernels.reference.rmsnorm import rms_norm_ref
+from tidegate.kernels.weights.fp8_weight import Fp8Weight
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.kernels.weights.packed_weight import PackedWeight
 
 # The native kernel won at 1-32 rows on every projection shape of the default model and was
 # level with BLAS at 64.
@@ -95,7 +94,7 @@ def _rounded(x: torch.Tensor) -> torch.Tensor:
 def norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, silu: bool = False) -> torch.Tensor:
     """RMSNorm, then the projection, then (``silu``: weight holds gate then up rows) SwiGLU:
-    what ``kernels.linear_triton`` fuses into one weight stream."""
+    what ``tidegate.kernels.gpu.linear_triton`` fuses into one weight stream."""
     out = linear_ref(rms_norm_ref(x, norm_weight, eps)[0], weight)
     return silu_and_mul_ref(out) if silu else out
 

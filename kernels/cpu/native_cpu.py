@@ -1,11 +1,11 @@
-"""Native CPU kernels: built from ``kernels/csrc`` with the system C compiler on first use.
+"""Native CPU kernels: built from ``kernels/cpu/csrc`` with the system C compiler on first use.
 
 The CPU has no Triton; where plain torch must copy data around (the paged decode attention's
 K/V gather), a small C kernel reads it in place. The shared object is compiled once per
 (source, compiler, CPU) into a cache directory, with ``-march=native`` because it is built
 on the machine that runs it, and loaded with ctypes (which releases the GIL during calls).
 
-Choice of implementation (``TIDEGATE_KERNELS``, see ``kernels.dispatch``): ``auto`` uses
+Choice of implementation (``TIDEGATE_KERNELS``, see ``tidegate.kernels.dispatch``): ``auto`` uses
 them where they build, else the plain-torch reference (one warning); ``reference`` and
 ``triton`` never build them; ``native`` makes a failed build an error.
 """
@@ -24,11 +24,10 @@ import threading
 from pathlib import Path
 
 import torch
-
-from kernels.dispatch import kernel_mode
-from kernels.fp8_weight import Fp8Weight
-from kernels.int_weight import IntWeight
-from kernels.packed_weight import PackedWeight
+from tidegate.kernels.dispatch import kernel_mode
+from tidegate.kernels.weights.fp8_weight import Fp8Weight
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.kernels.weights.packed_weight import PackedWeight
 
 log = logging.getLogger("tidegate.kernels")
 
@@ -167,7 +166,7 @@ class NativeCpuKernels:
         fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int]
         fn.restype = ctypes.c_int
         # (layer struct, step struct, key cache, value cache, hidden, residual or None, out,
-        # out residual, threads): kernels.decoder_layer builds the structs and checks operands.
+        # out residual, threads): tidegate.kernels.cpu.decoder_layer builds the structs and checks operands.
         self.decoder_layer = fn
         fn = self.lib.tidegate_silu_mul_f32
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2 + [
@@ -266,7 +265,7 @@ class NativeCpuKernels:
 
     def quantize_rows_q8(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 rows x [M, K] (K a multiple of 32) as 8-bit records [M, 1.5 K] uint8 (the
-        layout in ``csrc/q8_linear_cpu.c``; ``kernels.q8_activations`` is the reference)."""
+        layout in ``csrc/q8_linear_cpu.c``; ``tidegate.kernels.reference.q8_activations`` is the reference)."""
         m, k = x.shape
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1 or k % 32:
             raise ValueError(f"8-bit rows need float32 CPU rows of whole blocks of 32, got "
@@ -311,7 +310,7 @@ class NativeCpuKernels:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``kernels.rmsnorm.rms_norm_ref`` for 2-D float32 CPU rows (see ``rms_norm_applies``)."""
+        """``tidegate.kernels.reference.rmsnorm.rms_norm_ref`` for 2-D float32 CPU rows (see ``rms_norm_applies``)."""
         m, h = x.shape
         out = torch.empty(m, h)
         new_res = torch.empty(m, h) if residual is not None else x
@@ -324,7 +323,7 @@ class NativeCpuKernels:
         return out, new_res
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``kernels.activation.silu_and_mul_ref`` for 2-D float32 CPU rows (see
+        """``tidegate.kernels.reference.activation.silu_and_mul_ref`` for 2-D float32 CPU rows (see
         ``silu_and_mul_applies``)."""
         m, two_i = x.shape
         out = torch.empty(m, two_i // 2)
@@ -356,7 +355,7 @@ class NativeCpuKernels:
         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     ) -> torch.Tensor:
         """Decode attention over the paged cache -> [B, Hq, D]; see the C source for layouts
-        (float32 caches, or int8 ones of 8-bit heads: ``kernels.paged_attention.kv_int8``)."""
+        (float32 caches, or int8 ones of 8-bit heads: ``tidegate.kernels.cpu.paged_attention.kv_int8``)."""
         b, hq, d = q.shape
         _, block_size, hk, _ = key_cache.shape
         _check_attention_operands(q, key_cache, value_cache)

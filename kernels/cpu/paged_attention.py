@@ -18,8 +18,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from kernels.native_cpu import native_decode_applies, native_kernels
+from tidegate.kernels.cpu.native_cpu import native_decode_applies, native_kernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +95,7 @@ class PagedAttentionMetadata:
 @dataclass(frozen=True, slots=True)
 class PagedLayer:
     """A step over one layer's paged cache: what a whole-layer kernel needs besides the layer's
-    weights (``kernels.decoder_layer``)."""
+    weights (``tidegate.kernels.cpu.decoder_layer``)."""
 
     key_cache: torch.Tensor  # [num_blocks, block_size, Hk, D]
     value_cache: torch.Tensor

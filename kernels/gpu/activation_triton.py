@@ -1,7 +1,7 @@
 """The Triton gated activations: x [T, 2I] -> silu(gate) * up (SwiGLU) or gelu_tanh(gate) * up
 (GeGLU, Gemma), [T, I].
 
-Same results as ``silu_and_mul_ref`` / ``gelu_and_mul_ref`` (``kernels/activation.py``) but
+Same results as ``silu_and_mul_ref`` / ``gelu_and_mul_ref`` (``kernels/reference/activation.py``) but
 computed in float32 and rounded once to x's dtype. Each program handles one block of one row's columns, so a wide
 intermediate size (14336) spreads over many programs even for a single decode token.
 """
@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.fp8_linear_triton import _INTERPRET, FP8_DTYPE, Fp8Rows, _store_row_e4m3
+from tidegate.kernels.gpu.fp8_linear_triton import _INTERPRET, FP8_DTYPE, Fp8Rows, _store_row_e4m3
 
 
 @triton.jit

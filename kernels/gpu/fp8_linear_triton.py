@@ -6,9 +6,9 @@ many rows, a weight stream for few.
   ``[BLOCK_M, BLOCK_N]`` output tiles multiply e4m3 by e4m3 on the FP8 matrix units with float32
   sums, scaled at the end by the row's activation scale times the weight row's scale (both
   factor out of the sum over K). The SiLU-and-mul and residual-add epilogues are
-  ``kernels.linear_triton``'s ``_store_rows``: with ``silu`` a program computes gate rows and
+  ``tidegate.kernels.gpu.linear_triton``'s ``_store_rows``: with ``silu`` a program computes gate rows and
   the matching up rows together and writes ``silu(gate) * up``.
-* few rows (decode steps of one or two sequences): ``kernels.linear_triton``'s few-row kernels
+* few rows (decode steps of one or two sequences): ``tidegate.kernels.gpu.linear_triton``'s few-row kernels
   stream the e4m3 weights and multiply them with the activations in float32 (weight-only: at a
   row or two the step is bound by the weight bytes, which FP8 halves, and the activations need
   no rounding); the weight row's scale multiplies the finished sums.
@@ -16,11 +16,11 @@ many rows, a weight stream for few.
 ``fp8_gemm`` serves many rows: cuBLAS's FP8 GEMM with the same row-wise scales
 (``torch._scaled_mm``) where it takes the shape and no fused epilogue is asked for (on an H200 it
 was 5-15% faster than this module's Triton GEMM at 4096-16384 rows and ~1.5x at a 1000-row
-decode step, ``benchmarks/results/quantized_gpu.md``), else the Triton GEMM.
+decode step, ``benchmarks/results/engine/quantized_gpu.md``), else the Triton GEMM.
 
 Reference: ``w8a8_linear_ref`` (activations rounded per token the same way, then the float
 product of the dequantized matrices) and ``Fp8Weight.dequantize`` then
-``kernels.linear.linear_ref`` for the weight-only path.
+``tidegate.kernels.cpu.linear.linear_ref`` for the weight-only path.
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from kernels.activation import silu_and_mul_ref
-from kernels.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Weight
-from kernels.linear_triton import SUPPORTED_DTYPES, _grouped_tile, _store_rows
+from tidegate.kernels.gpu.linear_triton import SUPPORTED_DTYPES, _grouped_tile, _store_rows
+from tidegate.kernels.reference.activation import silu_and_mul_ref
+from tidegate.kernels.weights.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Weight
 
 # Triton's interpreter rounds float -> e4m3 without carrying a rounded-up mantissa into the
 # exponent (7.9 becomes 4, not 8): there, values are first rounded to e4m3's 4 significant bits
@@ -49,8 +48,8 @@ _MIN_SCALE = 1e-12
 @dataclass(frozen=True, slots=True)
 class Fp8Rows:
     """Activations already rounded to e4m3 per token (by the kernel that produced them:
-    ``quantize_rows_fp8``, ``kernels.rmsnorm_triton.rms_norm_fp8``,
-    ``kernels.activation_triton.silu_and_mul_fp8``): ``q`` [M, K] e4m3, ``scales`` [M] float32,
+    ``quantize_rows_fp8``, ``tidegate.kernels.gpu.rmsnorm_triton.rms_norm_fp8``,
+    ``tidegate.kernels.gpu.activation_triton.silu_and_mul_fp8``): ``q`` [M, K] e4m3, ``scales`` [M] float32,
     ``dtype`` the dtype of the rows they stand for (the product's)."""
 
     q: torch.Tensor

@@ -1,7 +1,7 @@
 """Integer-weight projections for one or two rows (decode steps) on integer dot products.
 
 At a decode step an INT4 projection is a stream of 4-bit weights, and turning each weight into
-a float before its multiply (``kernels.int_linear_triton``'s FMA path: ~9 instructions a
+a float before its multiply (``tidegate.kernels.gpu.int_linear_triton``'s FMA path: ~9 instructions a
 weight) bounds it by arithmetic at a quarter of the memory's rate. Here the activations are
 rounded to 8-bit integers instead, per run of 32 columns with a float scale each (as llama.cpp
 rounds them on GPUs and CPUs), and the weights meet them as bytes: one AND turns four nibbles
@@ -21,7 +21,7 @@ column order, ``word & 0x0F0F0F0F`` meets activation word j and ``(word >> 4) & 
 word 4 + j, and no value moves between lanes. 8-bit rows are one value per byte: word j meets
 activation word j.
 
-The fusions of ``kernels.linear_triton`` carry over: RMSNorm prologue (the sum of squares beside
+The fusions of ``tidegate.kernels.gpu.linear_triton`` carry over: RMSNorm prologue (the sum of squares beside
 the products, 1/rms on the finished sums; rounding per run is scale-free), SiLU-and-mul and the
 residual add in the epilogue (``_store_rows``), act-order columns gathered through ``perm``, and
 programmatic dependent launch. Reference: ``int_gemv_ref`` (activations rounded the same way,
@@ -36,10 +36,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from tidegate.kernels.gpu.linear_triton import _num_sms, _store_rows, pdl_supported
+from tidegate.kernels.weights.int_weight import IntWeight
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from kernels.int_weight import IntWeight
-from kernels.linear_triton import _num_sms, _store_rows, pdl_supported
 
 MAX_ROWS = 2
 RUN = 32  # columns per activation scale
@@ -69,9 +68,9 @@ class IntGemvConfig:
 
 
 def default_config(n: int, k: int, bits: int, silu: bool) -> IntGemvConfig:
-    """The tile per shape (``n``: output features), from ``benchmarks/int_gemv_sweep.py`` on an
+    """The tile per shape (``n``: output features), from ``benchmarks/kernels/int_gemv_sweep.py`` on an
     H200 at Llama-3-8B's decode shapes (one row, INT4 in groups of 128, INT8 per channel;
-    second sweep, ``benchmarks/results/int_gemv.json``):
+    second sweep, ``benchmarks/results/kernels/int_gemv.json``):
 
     * rows of up to 8192 columns: 4 programs of 4 warps per SM over blocks of 8 rows (INT4 qkv
       6.8, o_proj 4.8, gate_up 17.4 us; INT8 gate_up 31.3-32.4), INT8 without SiLU 4 programs
@@ -129,7 +128,7 @@ def _load_x(x_rows, perm_ptr, norm_ptr, cols, xmask, kmask, PERM: tl.constexpr,
             NORM: tl.constexpr):
     """x[rows, perm[cols]] in float32 (NORM: times the norm weight's same columns), and the
     squares of x itself (the sum of squares that gives 1/rms). Shared with
-    ``kernels.int_linear_triton``'s kernels."""
+    ``tidegate.kernels.gpu.int_linear_triton``'s kernels."""
     if PERM:
         cols = tl.load(perm_ptr + cols, mask=kmask, other=0)
     x = tl.load(x_rows + cols, mask=xmask, other=0.0).to(tl.float32)
@@ -299,8 +298,8 @@ def int_gemv_ref(x: torch.Tensor, weight: IntWeight, norm_weight: torch.Tensor |
                  ) -> torch.Tensor:
     """The kernel's reference: prologue(x) in stored column order rounded to int8 per run of
     32 (scale max|x| / 127, round to nearest), then the float32 product with the dequantized
-    weights; 1/rms, SiLU-and-mul and the add as ``kernels.linear_triton`` rounds them."""
-    from kernels.activation import silu_and_mul_ref
+    weights; 1/rms, SiLU-and-mul and the add as ``tidegate.kernels.gpu.linear_triton`` rounds them."""
+    from tidegate.kernels.reference.activation import silu_and_mul_ref
 
     x32 = x.float()
     rstd = torch.rsqrt(x32.pow(2).mean(dim=1, keepdim=True) + eps)
@@ -331,7 +330,7 @@ def int_gemv_triton(x: torch.Tensor, weight: IntWeight, n: int, *,
                     pdl: bool | None = None, config: IntGemvConfig | None = None
                     ) -> torch.Tensor:
     """One or two rows: out [M, n] (``n``: output width, already checked by the caller,
-    ``kernels.int_linear_triton``, with the operands)."""
+    ``tidegate.kernels.gpu.int_linear_triton``, with the operands)."""
     m, k = x.shape
     if not applies(weight, m):
         raise ValueError(f"the integer GEMV takes 1-{MAX_ROWS} rows and groups of whole runs "

@@ -3,7 +3,7 @@
 ``int_linear_triton`` computes ``x @ values.T`` for an ``IntWeight`` [N, K] without ever writing
 a float matrix: each program loads the packed bytes of its tile, turns them into
 ``(q - zero) * scale`` in float32 registers and uses them at once. It fuses the same neighbours
-as ``kernels.linear_triton`` (RMSNorm prologue, SiLU-and-mul epilogue, residual add; the
+as ``tidegate.kernels.gpu.linear_triton`` (RMSNorm prologue, SiLU-and-mul epilogue, residual add; the
 epilogue is that module's ``_store_rows``) and reads act-order weights' ``x[:, perm]`` by
 gathering x's columns (and the norm weight's) through ``perm`` in the kernel. Two paths:
 
@@ -19,7 +19,7 @@ gathering x's columns (and the norm weight's) through ``perm`` in the kernel. Tw
 4-bit rows keep each run of 32 columns in 16 bytes (low nibbles columns 0-15, high 16-31): a
 byte tile yields two half-tiles of weights, and x is loaded as the two matching column sets
 (runs of 16 contiguous columns), so no nibble ever moves between lanes.
-Reference: ``IntWeight.dequantize`` then ``kernels.linear.linear_ref`` / ``norm_linear_ref``.
+Reference: ``IntWeight.dequantize`` then ``tidegate.kernels.cpu.linear.linear_ref`` / ``norm_linear_ref``.
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from kernels.int_gemv_triton import IntGemvConfig, _load_x, int_gemv_triton
-from kernels.int_gemv_triton import applies as gemv_applies
-from kernels.int_weight import BITS, IntWeight
-from kernels.linear_triton import SUPPORTED_DTYPES, _grouped_tile, _store_rows
+from tidegate.kernels.gpu.int_gemv_triton import IntGemvConfig, _load_x, int_gemv_triton
+from tidegate.kernels.gpu.int_gemv_triton import applies as gemv_applies
+from tidegate.kernels.gpu.linear_triton import SUPPORTED_DTYPES, _grouped_tile, _store_rows
+from tidegate.kernels.weights.int_weight import BITS, IntWeight
 
 # The FMA path keeps partial sums per row of x, in registers of the weight tile's shape (so at
 # most this many rows); beyond them the default tiles take the tensor cores.
@@ -71,7 +70,7 @@ class IntLinearConfig:
 
 
 def default_config(m: int, n: int, k: int, group: int, bits: int) -> IntLinearConfig:
-    """The tile per shape (``n``: output features), from ``benchmarks/int_gemv_sweep.py`` on an
+    """The tile per shape (``n``: output features), from ``benchmarks/kernels/int_gemv_sweep.py`` on an
     H200 at Llama-3-8B's decode shapes (INT4 G=128 and INT8 per channel; first sweep, to tune):
 
     * up to ``MAX_FMA_ROWS`` rows, FMA: 8-bit, 4 weight rows a program, 512 columns a step; 4-bit,
@@ -440,7 +439,7 @@ def int_linear_triton(
     * ``silu``: the weight is [2I, K] (gate rows, then up rows), out = silu(gate) * up, [M, I];
     * ``add`` [M, N] given: out += add (the residual stream's add, rounded once).
     Out is a new contiguous tensor in x's dtype. No host synchronization (graph-capturable).
-    One or two rows take the integer-dot GEMV (``kernels.int_gemv_triton``: activations
+    One or two rows take the integer-dot GEMV (``tidegate.kernels.gpu.int_gemv_triton``: activations
     rounded to int8 per run of 32) where the groups hold whole runs, unless ``config`` is an
     ``IntLinearConfig`` (its FMA path keeps the activations as they are).
     """

@@ -1,6 +1,6 @@
 """The Triton KV-cache store: each token's key and value into its paged cache slot.
 
-Same contract as ``store_kv_ref`` (``kernels/paged_attention.py``), but padding slots (< 0) are
+Same contract as ``store_kv_ref`` (``kernels/cpu/paged_attention.py``), but padding slots (< 0) are
 masked inside the kernel instead of filtered on the host, so the store never syncs with the
 device and can be captured in a CUDA graph. One program per token writes all of its heads.
 An FP8 cache (``torch.float8_e4m3fn``, ``--kv-cache-dtype fp8``) takes the values saturated to

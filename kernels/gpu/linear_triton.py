@@ -20,7 +20,7 @@ a launch and a round trip through memory each:
 resident while the kernel before it drains; it prefetches the first weight tiles of its rows
 into the L2 (they do not depend on that kernel), then waits for the previous grid
 (``griddepcontrol.wait``) before it reads ``x``. That hides the launch gap and ramp of each of
-the step's ~130 projections. Reference: ``kernels.linear.linear_ref``.
+the step's ~130 projections. Reference: ``tidegate.kernels.cpu.linear.linear_ref``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # The most rows the kernel takes (its tensor-core variant pads rows to 16).
 MAX_ROWS = 16
-# e4m3 weights take the FMA tiles only (more rows go to kernels.fp8_linear_triton's W8A8 GEMM).
+# e4m3 weights take the FMA tiles only (more rows go to tidegate.kernels.gpu.fp8_linear_triton's W8A8 GEMM).
 MAX_FP8_ROWS = 2
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -315,8 +315,8 @@ def _check(name: str, t: torch.Tensor, ref: torch.Tensor, shape: tuple[int, ...]
 
 
 def default_config(m: int, n: int, k: int, silu: bool = False) -> SkinnyConfig:
-    """The tile per shape, from ``benchmarks/gemv_sweep.py`` on an H200 at one row with PDL
-    (Llama-3-8B shapes; ``benchmarks/results/gpu.md``):
+    """The tile per shape, from ``benchmarks/kernels/gemv_sweep.py`` on an H200 at one row with PDL
+    (Llama-3-8B shapes; ``benchmarks/results/engine/gpu.md``):
 
     * rows of K <= 4096 in one tile: persistent programs, 4 per SM, over blocks of 2 weight
       rows (qkv 3.8, o_proj 3.7 TB/s; 1 row for gate_up with its SiLU pair, 4.2 TB/s), except

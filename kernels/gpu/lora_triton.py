@@ -1,7 +1,7 @@
-"""Batched LoRA on the GPU (Triton): the same result as ``kernels.lora.add_lora_ref``.
+"""Batched LoRA on the GPU (Triton): the same result as ``tidegate.kernels.reference.lora.add_lora_ref``.
 
 Once per step, ``lora_layout`` sorts the rows by adapter on the device and pads each adapter's
-run to whole row tiles (``kernels.moe_triton.expert_layout``: a LoRA step is a mixture of
+run to whole row tiles (``tidegate.kernels.gpu.moe_triton.expert_layout``: a LoRA step is a mixture of
 experts that routes each row to one expert, its adapter); a few rows (decode) are a tile each,
 unsorted; prefill-sized steps take wider tiles. Rows without an adapter form a run that no
 program computes.
@@ -26,9 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.lora import NO_ADAPTER, LoraRows, LoraStack, Norm, check_lora
-from kernels.moe_triton import ExpertLayout, expert_layout
+from tidegate.kernels.gpu.moe_triton import ExpertLayout, expert_layout
+from tidegate.kernels.reference.lora import NO_ADAPTER, LoraRows, LoraStack, Norm, check_lora
 
 BLOCK_M = 16  # rows per tile: decode batches give each adapter a few rows
 # From this many rows (prefill chunks) the tiles are WIDE_BLOCK_M x WIDE_BLOCK_N: with 16 x 64
@@ -248,11 +247,11 @@ def column_group(n_dim: int, segments: tuple[int, ...], block_n: int, straddle: 
 
 def add_lora_triton(y: torch.Tensor, x: torch.Tensor, stack: LoraStack, rows: LoraRows,
                     norm: Norm | None = None) -> None:
-    """``kernels.lora.add_lora_ref`` in two launches, over the layout ``rows`` carries."""
+    """``tidegate.kernels.reference.lora.add_lora_ref`` in two launches, over the layout ``rows`` carries."""
     check_lora(y, x, stack, rows, norm)
     layout = rows.layout
     if layout is None or layout.block_m != block_rows(x.shape[0]):
-        raise ValueError("rows carry no Triton layout: build them with kernels.ops.lora_rows "
+        raise ValueError("rows carry no Triton layout: build them with tidegate.kernels.ops.lora_rows "
                          "where Triton serves (CUDA, or TIDEGATE_KERNELS=triton)")
     for name, t in (("x", x), ("y", y), ("a", stack.a), ("b", stack.b)):
         if t.stride(-1) != 1:

@@ -1,5 +1,5 @@
 """The fused mixture-of-experts kernels (Triton): grouped expert GEMMs over tokens sorted by
-expert, the same result as ``kernels.moe.moe_ref``.
+expert, the same result as ``tidegate.kernels.reference.moe.moe_ref``.
 
 The step's (token, slot) pairs are sorted by their expert on the device and each expert's run
 padded to whole row tiles (``ExpertLayout``), so one launch covers every expert: a program owns
@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from kernels.moe import check_moe, route
+from tidegate.kernels.reference.moe import check_moe, route
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +37,7 @@ class MoeTiles:
 def default_tiles(pairs: int, experts: int) -> MoeTiles:
     """The launch shape for ``pairs`` (token, expert) pairs over ``experts``: tiles of 16 rows
     when experts see few tokens each (decode), wider tiles as their runs grow. Measured on the
-    H200 (``benchmarks/moe_sweep.py``, ``benchmarks/results/moe_sweep.json``): at 1024 tokens
+    H200 (``benchmarks/kernels/moe_sweep.py``, ``benchmarks/results/kernels/moe_sweep.json``): at 1024 tokens
     1.3-1.6x faster than 64 x 64 tiles, at 16384 tokens 1.25-1.47x."""
     if pairs <= 16 * experts:
         return MoeTiles(16, 64, 64, 4, 3)
@@ -172,7 +171,7 @@ def _down_kernel(
 def moe_triton(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                top_k: int, *, renormalize: bool = True, activation: str = "silu",
                tiles: MoeTiles | None = None) -> torch.Tensor:
-    """``kernels.moe.moe_ref`` in two fused launches (plus the router and the layout);
+    """``tidegate.kernels.reference.moe.moe_ref`` in two fused launches (plus the router and the layout);
     ``tiles``: the launch shape (default ``default_tiles``)."""
     check_moe(x, router, w13, w2, top_k)
     for name, t in (("x", x), ("w13", w13), ("w2", w2)):

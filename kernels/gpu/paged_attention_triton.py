@@ -1,6 +1,6 @@
 """Triton attention over the paged KV cache: split-K decode, causal prefill over cached prefixes.
 
-Owns the GPU side of ``kernels.paged_attention`` (same layouts, same results as its plain-torch
+Owns the GPU side of ``tidegate.kernels.cpu.paged_attention`` (same layouts, same results as its plain-torch
 references): ``paged_decode_attention_triton`` for the step's decodes (one query per sequence,
 "flash decoding": the context is split across programs, then a small kernel combines the
 splits), ``paged_prefill_attention_triton`` for its prefill chunks (query tiles that attend
@@ -26,8 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.paged_attention import (
+from tidegate.kernels.cpu.paged_attention import (
     PagedAttentionMetadata,
     check_cache_layout,
     check_shapes,
@@ -421,7 +420,7 @@ def paged_attention_triton(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """The step's attention, as ``kernels.paged_attention.paged_attention`` -> [T, Hq, D]:
+    """The step's attention, as ``tidegate.kernels.cpu.paged_attention.paged_attention`` -> [T, Hq, D]:
     decodes through the split-K kernel, prefill chunks through the tiled one."""
     _check_step(q, key_cache, value_cache, meta)
     out = _check_out(out, q)

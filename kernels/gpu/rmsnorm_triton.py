@@ -1,6 +1,6 @@
 """The Triton RMSNorm: residual add, sum of squares and scaling fused in one pass per row.
 
-Same contract and rounding as ``rms_norm_ref`` (``kernels/rmsnorm.py``): the residual sum is
+Same contract and rounding as ``rms_norm_ref`` (``kernels/reference/rmsnorm.py``): the residual sum is
 rounded to the input dtype before it is normalized (it is also what the next layer adds to),
 the normalization runs in float32, and its result is rounded to the input dtype before the
 weight multiplies it.
@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.fp8_linear_triton import _INTERPRET, FP8_DTYPE, Fp8Rows, _store_row_e4m3
+from tidegate.kernels.gpu.fp8_linear_triton import _INTERPRET, FP8_DTYPE, Fp8Rows, _store_row_e4m3
 
 
 @triton.jit
@@ -67,7 +66,7 @@ def _check_rows(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[Fp8Rows, torch.Tensor]:
     """``rms_norm_triton`` whose normed rows come out rounded to e4m3 per token, for a W8A8
-    GEMM (``kernels.fp8_linear_triton.fp8_gemm``): one pass instead of a norm and a
+    GEMM (``tidegate.kernels.gpu.fp8_linear_triton.fp8_gemm``): one pass instead of a norm and a
     quantization."""
     return rms_norm_triton(x, weight, eps, residual, fp8=True)  # type: ignore[return-value]
 

@@ -1,6 +1,6 @@
 """The Triton rotary embedding: rotates q and k in place, one program per token.
 
-Same math as ``rotary_ref`` (``kernels/rotary.py``): non-interleaved halves, the cache row of
+Same math as ``rotary_ref`` (``kernels/reference/rotary.py``): non-interleaved halves, the cache row of
 a position holding cos of the D/2 half-dims then their sin, computed in float32 and stored back
 in the input dtype. q and k are usually views of one fused qkv tensor, so only their last dim
 is assumed contiguous; token and head strides are arguments.
@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.kv_store_triton import check_store_args, saturate_e4m3
+from tidegate.kernels.gpu.kv_store_triton import check_store_args, saturate_e4m3
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """Grammar token masks applied to logits on the GPU: one program per (masked row, column block)
 reads its packed words once and writes -inf over the disallowed logits in place.
 
-Same result as ``kernels.token_bitmask.apply_token_bitmask_ref``; rows without a mask are not
+Same result as ``tidegate.kernels.reference.token_bitmask.apply_token_bitmask_ref``; rows without a mask are not
 touched, so a batch of mostly free requests pays only for its constrained rows.
 """
 

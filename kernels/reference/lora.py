@@ -6,10 +6,10 @@ shrink), ``b`` [L, N, R] (``lora_B``, the expand) and ``scale`` [L] (``alpha / r
 side: segment s shrinks with rows s*R:(s+1)*R of ``a`` and expands into the columns of y from
 ``segments[s - 1]`` up to the next offset. An adapter of rank r < R fills the first r rows of
 each segment's ``a`` and columns of its ``b``; the rest stay zero, so one stack serves every
-rank up to R. A step names each row's adapter once (``kernels.ops.lora_rows``: ``NO_ADAPTER`` for the base
+rank up to R. A step names each row's adapter once (``tidegate.kernels.ops.lora_rows``: ``NO_ADAPTER`` for the base
 model alone) and every projection's call shares those ``LoraRows``; each row gets
 ``y += scale * (x @ a.T) @ b.T`` from its own adapter, with x optionally RMS-normalized first
-(``norm``). The Triton version is ``kernels.lora_triton``; ``kernels.ops.add_lora`` picks one.
+(``norm``). The Triton version is ``tidegate.kernels.gpu.lora_triton``; ``tidegate.kernels.ops.add_lora`` picks one.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kernels.moe_triton import ExpertLayout
+    from tidegate.kernels.gpu.moe_triton import ExpertLayout
 
 NO_ADAPTER = -1
 MAX_RANK = 64
@@ -79,12 +79,12 @@ class LoraStack:
 
 @dataclass(frozen=True, slots=True)
 class LoraRows:
-    """A step's rows and their adapters, built once per step by ``kernels.ops.lora_rows`` and shared by
+    """A step's rows and their adapters, built once per step by ``tidegate.kernels.ops.lora_rows`` and shared by
     every projection's ``add_lora`` of that step (a few hundred calls)."""
 
     index: torch.Tensor  # [T]: each row's adapter, NO_ADAPTER for the base model alone
     num_adapters: int  # L: the stacks these rows index hold L adapters each
-    # The Triton kernels' rows sorted by adapter (``kernels.lora_triton.lora_layout``); None
+    # The Triton kernels' rows sorted by adapter (``tidegate.kernels.gpu.lora_triton.lora_layout``); None
     # where the reference serves.
     layout: ExpertLayout | None = None
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kernels.activation import gelu_and_mul_ref, silu_and_mul_ref
+from tidegate.kernels.reference.activation import gelu_and_mul_ref, silu_and_mul_ref
 
 
 @dataclass(frozen=True, slots=True)

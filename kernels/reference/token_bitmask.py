@@ -4,7 +4,7 @@ A mask row holds one bit per vocabulary entry, packed little-endian into int32 w
 ``t % 32`` of word ``t // 32`` allows token ``t``), as llguidance and xgrammar write them.
 Only constrained rows carry a mask: ``rows`` [C] names each mask's logits row; every logit of a
 disallowed token (and of ids past the mask's width) becomes -inf. The Triton version is
-``kernels.token_bitmask_triton``; ``kernels.ops.apply_token_bitmask`` picks one.
+``tidegate.kernels.gpu.token_bitmask_triton``; ``tidegate.kernels.ops.apply_token_bitmask`` picks one.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ class Fp8Weight:
     @property
     def activations(self) -> str:
         """What the CPU multiplies it with: always float32 (its kernel has no 8-bit-activation
-        form; ``kernels.q8_activations``)."""
+        form; ``tidegate.kernels.reference.q8_activations``)."""
         return "float"
 
     def with_activations(self, activations: str) -> Fp8Weight:

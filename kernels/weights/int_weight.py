@@ -24,8 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-
-from kernels.q8_activations import check_activations
+from tidegate.kernels.reference.q8_activations import check_activations
 
 BITS = (4, 8)
 
@@ -42,7 +41,7 @@ class IntWeight:
     zeros: torch.Tensor
     perm: torch.Tensor | None = None
     format: str = "int"  # where the integers came from (gptq, awq, compressed-tensors, rtn)
-    # What the CPU multiplies it with (kernels.q8_activations): "float" or "int8".
+    # What the CPU multiplies it with (tidegate.kernels.reference.q8_activations): "float" or "int8".
     activations: str = "float"
 
     def __post_init__(self) -> None:

@@ -15,10 +15,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
+from tidegate.kernels.reference.q8_activations import check_activations
 
-from kernels.q8_activations import check_activations
-
-# The types the packed kernels compute (kernels/csrc/packed_linear_cpu.c), by GGML type id.
+# The types the packed kernels compute (kernels/cpu/csrc/packed_linear_cpu.c), by GGML type id.
 PACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 # Those multiplied with 8-bit activations in the "int8" mode (csrc/q8_linear_cpu.c); float
@@ -54,7 +53,7 @@ class Part:
 @dataclass(frozen=True)
 class PackedWeight:
     """A [N, K] matrix as packed row ranges (``parts``, top to bottom), and the activations the
-    CPU multiplies it with (``kernels.q8_activations``: "float" or "int8")."""
+    CPU multiplies it with (``tidegate.kernels.reference.q8_activations``: "float" or "int8")."""
 
     shape: tuple[int, int]
     parts: tuple[Part, ...]

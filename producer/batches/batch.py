@@ -1,7 +1,7 @@
 """Offline batches: OpenAI Batch-style JSONL in, one job per line on the batch lane, JSONL out.
 
 The submitter's side (``tidegate batch submit|status|results|cancel``) lives here; the
-orchestration runs in arq jobs (``producer.batches.batch_worker``). A batch's records share one hash
+orchestration runs in arq jobs (``tidegate.producer.batches.batch_worker``). A batch's records share one hash
 tag: its state hash, its input lines, which lines have a job on the lane stream, and each
 line's output, written once. Every line's job has a deterministic id (batch id + line index),
 so any step can run again after a crash without losing or duplicating a line.

@@ -25,9 +25,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from starlette.types import Receive, Scope, Send
-
-from producer.openai_compat.errors import OpenAIError, from_error_event, from_rejected
-from producer.openai_compat.format import (
+from tidegate.producer.openai_compat.errors import OpenAIError, from_error_event, from_rejected
+from tidegate.producer.openai_compat.format import (
     FINISH_REASONS,
     ChatShape,
     ChoiceAnswer,
@@ -35,6 +34,7 @@ from producer.openai_compat.format import (
     TokenLogprob,
     TokenSpeller,
 )
+
 from tidegate.cancelling import cancel_and_wait
 from tidegate.events.event_feed import FeedEvent
 from tidegate.events.event_hub import EventHub, Lagging

@@ -13,8 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from starlette.responses import JSONResponse
-
-from producer.errors import FieldError
+from tidegate.producer.errors import FieldError
 
 # OpenAI's error ``type`` for each status it uses.
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -75,7 +74,7 @@ def from_fields(fields: list[FieldError], rename: Mapping[str, str] | None = Non
 def from_refusal(status: int, type: str, message: str, fields: list[FieldError] | None,
                  headers: Mapping[str, str] | None = None,
                  rename: Mapping[str, str] | None = None) -> OpenAIError:
-    """A submission the producer API refused (``producer.api.Refusal``), in OpenAI's shape."""
+    """A submission the producer API refused (``tidegate.producer.api.Refusal``), in OpenAI's shape."""
     if status == 422:
         status = 400  # OpenAI answers 400 for every request it cannot take as given
     if status == 400 and fields:

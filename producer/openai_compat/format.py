@@ -2,7 +2,7 @@
 chunks, logprobs, and tidegate's finish reasons in OpenAI's vocabulary.
 
 ``ChatShape`` and ``CompletionShape`` answer the same questions for their endpoint, so the code
-that follows a job's events (``producer.openai_compat.answer``) is the same for both.
+that follows a job's events (``tidegate.producer.openai_compat.answer``) is the same for both.
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ A request's ``model`` is a served model's name or alias (``tidegate``: the defau
 ``/v1/models`` lists the models some live worker serves and their registered adapters (as
 ``base:NAME`` entries with a ``parent``, vLLM's convention).
 
-A request is translated into a tidegate ``JobRequest`` (``producer.openai_compat.schema``), goes
+A request is translated into a tidegate ``JobRequest`` (``tidegate.producer.openai_compat.schema``), goes
 through the same auth, admission, backpressure and enqueue as ``POST /v1/jobs``
 (``SubmitPath.submit_job``), and is answered from the job's events
-(``producer.openai_compat.answer``), as one JSON body or as server-sent events. Every error is in
-OpenAI's shape (``producer.openai_compat.errors``).
+(``tidegate.producer.openai_compat.answer``), as one JSON body or as server-sent events. Every error is in
+OpenAI's shape (``tidegate.producer.openai_compat.errors``).
 """
 
 from __future__ import annotations
@@ -23,16 +23,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
+from tidegate.producer.openai_compat.answer import Answer
+from tidegate.producer.openai_compat.errors import OpenAIError, from_refusal, model_not_found
+from tidegate.producer.openai_compat.format import ChatShape, CompletionShape, Shape, TokenSpeller
+from tidegate.producer.openai_compat.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+)
+from tidegate.producer.submit.backlog import LaneFull
+from tidegate.producer.submit.rate_limit import with_headers
+from tidegate.producer.submit.refusal import Refusal
+from tidegate.producer.submit.request_body import read_json
+from tidegate.producer.submit.submit_path import SubmitPath
 
-from producer.openai_compat.answer import Answer
-from producer.openai_compat.errors import OpenAIError, from_refusal, model_not_found
-from producer.openai_compat.format import ChatShape, CompletionShape, Shape, TokenSpeller
-from producer.openai_compat.schema import ChatCompletionRequest, CompletionRequest, parse_body
-from producer.submit.backlog import LaneFull
-from producer.submit.rate_limit import with_headers
-from producer.submit.refusal import Refusal
-from producer.submit.request_body import read_json
-from producer.submit.submit_path import SubmitPath
 from tidegate import adapter_registry
 from tidegate.http.auth import AuthError
 from tidegate.model_files.served_model import ServedModel

@@ -29,9 +29,9 @@ from typing import Any, Protocol
 from prometheus_client.core import CounterMetricFamily, Metric
 from redis.exceptions import NoScriptError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from tidegate.producer.errors import FieldError
+from tidegate.producer.submit.refusal import Refusal
 
-from producer.errors import FieldError
-from producer.submit.refusal import Refusal
 from tidegate import keys
 from tidegate.http.auth import Auth
 from tidegate.http.key_file import UNLIMITED, KeyLimits

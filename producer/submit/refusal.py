@@ -9,10 +9,10 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 from starlette.responses import JSONResponse, Response
+from tidegate.producer.errors import FieldError, error_body, field_errors
+from tidegate.producer.submit.backlog import LaneFull
+from tidegate.producer.submit.idempotency import ClaimInProgress
 
-from producer.errors import FieldError, error_body, field_errors
-from producer.submit.backlog import LaneFull
-from producer.submit.idempotency import ClaimInProgress
 from tidegate.http.auth import AuthError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)

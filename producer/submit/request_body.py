@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.requests import Request
+from tidegate.producer.errors import FieldError
+from tidegate.producer.submit.refusal import Refusal
 
-from producer.errors import FieldError
-from producer.submit.refusal import Refusal
 from tidegate import untrusted_json
 
 # Far above any admissible prompt (1M characters, escaped); refused before it is buffered.

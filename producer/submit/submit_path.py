@@ -9,7 +9,7 @@ reaches Redis if it is invalid (422), names no served model or no registered ada
 (``LaneFull``); the tenant's rate limits are charged
 last, so a submit refused for any other reason costs nothing. Each refusal is raised as what
 it is (``Refusal``, ``LaneFull``, ``ClaimInProgress``, ``RedisError``); every route turns it into
-its own error shape (``producer.submit.refusal.refusal_of`` for the native routes).
+its own error shape (``tidegate.producer.submit.refusal.refusal_of`` for the native routes).
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from typing import Any
 import anyio.to_thread
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+from tidegate.producer.errors import FieldError
+from tidegate.producer.submit import idempotency
+from tidegate.producer.submit.admission import Admission, AdmissionError
+from tidegate.producer.submit.backlog import LaneBacklog
+from tidegate.producer.submit.batched import Batched
+from tidegate.producer.submit.idempotency import Claim, ClaimInProgress
+from tidegate.producer.submit.prefix_routing import PrefixRouting
+from tidegate.producer.submit.rate_limit import RateLimiter
+from tidegate.producer.submit.refusal import Refusal, validated
 
-from producer.errors import FieldError
-from producer.submit import idempotency
-from producer.submit.admission import Admission, AdmissionError
-from producer.submit.backlog import LaneBacklog
-from producer.submit.batched import Batched
-from producer.submit.idempotency import Claim, ClaimInProgress
-from producer.submit.prefix_routing import PrefixRouting
-from producer.submit.rate_limit import RateLimiter
-from producer.submit.refusal import Refusal, validated
 from tidegate import keys
 from tidegate.adapter_registry import AdapterRegistry
 from tidegate.events.event_hub import EventHub

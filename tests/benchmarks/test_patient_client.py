@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
-
-from benchmarks.serving.patient_client import sse_data
+from tidegate.benchmarks.harness.patient_client import sse_data
 
 
 async def test_sse_data_splits_at_newlines_only() -> None:

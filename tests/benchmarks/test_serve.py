@@ -1,9 +1,8 @@
-"""benchmarks/serve.py end to end: the real stack as processes, every measured job exact."""
+"""benchmarks/serving/serve.py end to end: the real stack as processes, every measured job exact."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,12 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_serve(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "serve.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run(
-        [sys.executable, "benchmarks/serve.py", "--quick", "--model", "random:tiny",
+        [sys.executable, "-m", "tidegate.benchmarks.serving.serve", "--quick", "--model", "random:tiny",
          "--out", str(out), "--plot", "", "--logdir", str(tmp_path / "logs"), *extra],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
 
@@ -78,7 +75,7 @@ def test_constrained_jobs_are_checked_against_their_schema(tmp_path: Path) -> No
 
 
 def test_the_json_check_tells_prefixes_whole_documents_and_breaks_apart() -> None:
-    from benchmarks.serving.json_check import json_prefix_problem, output_problem
+    from tidegate.benchmarks.harness.json_check import json_prefix_problem, output_problem
 
     doc = '{"a": "x\\u00e9", "b": [1, -2.5e+3, true, null, {}], "c": {"d": []}}'
     assert all(json_prefix_problem(doc[:k])[0] is None for k in range(len(doc) + 1))

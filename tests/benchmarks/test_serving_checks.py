@@ -6,11 +6,16 @@ import json
 import random
 
 import pytest
+from tidegate.benchmarks.harness.follow import Trace
+from tidegate.benchmarks.harness.loadgen import JobRecord
+from tidegate.benchmarks.harness.metrics import Slo, exactness_problem
+from tidegate.benchmarks.harness.workload import (
+    QUOTE_ASK,
+    build_work,
+    exact_prompt,
+    poisson_offsets,
+)
 
-from benchmarks.serving.follow import Trace
-from benchmarks.serving.loadgen import JobRecord
-from benchmarks.serving.metrics import Slo, exactness_problem
-from benchmarks.serving.workload import QUOTE_ASK, build_work, exact_prompt, poisson_offsets
 from tidegate.model_files.model_source import resolve_model
 from tidegate.model_files.tokenizer import load_tokenizer
 

@@ -1,10 +1,9 @@
-"""benchmarks/soak.py, short: the real stack at several times the worker's capacity with
+"""benchmarks/serving/soak.py, short: the real stack at several times the worker's capacity with
 retention of seconds; Redis holds about rate x retention jobs, not every job submitted."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,16 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_short_soak_keeps_only_the_retained_jobs_and_trims_the_lane(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     rate, duration, retention = 30, 24, 4
     proc = subprocess.run(
-        [sys.executable, "benchmarks/soak.py", "--duration-s", str(duration), "--rate",
+        [sys.executable, "-m", "tidegate.benchmarks.serving.soak", "--duration-s", str(duration), "--rate",
          str(rate), "--sample-s", "2", "--result-ttl-s", str(retention), "--error-ttl-s",
          str(retention), "--rejected-ttl-s", str(retention), "--cancelled-ttl-s",
          str(retention), "--warmup-s", "10", "--follow-fraction", "0.1", "--out", str(out),
          "--logdir", str(tmp_path / "logs")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     submitted = result["answers"].get("202", 0)

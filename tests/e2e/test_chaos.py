@@ -6,17 +6,16 @@ gateway's WebSocket and SSE routes by clients that resume with their last event 
 Every accepted job must end exactly once as its client saw it, with no event or token duplicated
 or missing, its streamed text equal to its result and to an uninterrupted run of the same
 request; a killed worker's jobs continue on another worker (``migrated``), never restart, and
-are never dead-lettered. ``benchmarks/chaos.py`` is the longer form (figures in
-``benchmarks/results/chaos.md``)."""
+are never dead-lettered. ``benchmarks/serving/chaos.py`` is the longer form (figures in
+``benchmarks/results/serving/chaos.md``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
-from benchmarks.chaos import ChaosConfig, headline, run_chaos
-from benchmarks.serving.chaos_monkey import ChaosPlan
+from tidegate.benchmarks.harness.chaos_monkey import ChaosPlan
+from tidegate.benchmarks.serving.chaos import ChaosConfig, headline, run_chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -27,12 +26,12 @@ async def test_every_job_survives_worker_redis_and_gateway_kills_exactly(tmp_pat
                      outage_s=(0.5, 1.5), seed=1)
     # A visibility timeout of 4 s: an outage (up to 1.5 s) can outlast a live worker's refresh,
     # so a live worker's job can be taken over too; the write fence makes the first drop it
-    # (benchmarks/results/chaos.md, run B, was that case before the fence).
+    # (benchmarks/results/serving/chaos.md, run B, was that case before the fence).
     # One sequence per worker: a CPU matmul's rounding depends on how many rows it has, so a
     # greedy token on a near-tie can flip with the batch a job happened to share (1 job in 175
     # here with 16 seats: not a fault of the chaos, and no engine is batch-invariant); alone
     # in its worker, a job computes exactly as in the calm reference run. The benchmark runs
-    # 16 seats (benchmarks/results/chaos.md).
+    # 16 seats (benchmarks/results/serving/chaos.md).
     cfg = ChaosConfig(plan=plan, jobs=40, concurrency=24, max_tokens=(80, 400), sse_every=4,
                       workers=3, max_num_seqs=1, visibility_timeout_s=4, patience_s=90,
                       seed=1)

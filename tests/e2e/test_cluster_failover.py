@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 import redis
 from redis.cluster import key_slot
+from tidegate.producer.client import Client, ServiceUnavailable
 
-from producer.client import Client, ServiceUnavailable
 from tests.conftest import free_port
 from tests.redis_cluster import ClusterServers
 from tests.stack_process import TIDEGATE, heartbeat_of, stop, wait_until

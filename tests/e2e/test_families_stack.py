@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tidegate.producer.client import Client
 
-from producer.client import Client
 from tests.conftest import RedisServer
 from tests.stack_process import tidegate_up
 from tests.worker.hf_oracle import hf_greedy

@@ -3,17 +3,17 @@ generated input for about a minute: every HTTP operation of its served OpenAPI d
 (schemathesis, valid and schema-breaking cases), the ``/v1/stream`` and watch WebSockets and
 the SSE endpoint (hypothesis: random frames, Unicode and huge query parameters, nesting).
 No 5xx, no hang, no dropped socket, and the stack's whole log (every process, INFO and up) holds
-no traceback and no ERROR line. ``benchmarks/fuzz.py`` is the long run."""
+no traceback and no ERROR line. ``benchmarks/serving/fuzz.py`` is the long run."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from tidegate.benchmarks.serving.fuzz import Budget, run
+from tidegate.benchmarks.serving.fuzzing.stack import tidegate_up
+from tidegate.benchmarks.serving.fuzzing.tally import Tally, log_problems
 
-from benchmarks.fuzz import Budget, run
-from benchmarks.fuzzing.stack import tidegate_up
-from benchmarks.fuzzing.tally import Tally, log_problems
 from tests.conftest import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MODEL = "random:tiny"
 TP = ("--tensor-parallel-size", "2")
-RANK_LOST_EXIT = 3  # worker.parallel.rank_processes.RANK_LOST_EXIT, as an operator sees it
+RANK_LOST_EXIT = 3  # tidegate.worker.parallel.rank_processes.RANK_LOST_EXIT, as an operator sees it
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
 # Two cores: one torch thread a process, a small KV cache, generous start-up time.

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from tidegate.benchmarks.serving.prefix_routing import workload
 
-from benchmarks.prefix_routing import workload
 from tests.conftest import RedisServer
 from tests.e2e.test_prefix_routing_stack import (
     MODEL,

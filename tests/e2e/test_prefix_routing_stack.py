@@ -23,8 +23,8 @@ import httpx
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
+from tidegate.benchmarks.serving.prefix_routing import drive, ideal_hit_rate, workload
 
-from benchmarks.prefix_routing import drive, ideal_hit_rate, workload
 from tests.conftest import RedisServer, free_port
 from tests.e2e.test_speculative_stack import Proc, ready, start
 from tests.stack_process import heartbeat_of, stop, wait_until

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import websockets
+from tidegate.producer.client import Client
 
-from producer.client import Client
 from tests.conftest import RedisServer
 from tests.redis_cluster import ClusterServers
 from tests.stack_process import TIDEGATE, cli, run_batch, tidegate_up

@@ -23,8 +23,8 @@ import jsonschema
 import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
+from tidegate.producer.client import Client
 
-from producer.client import Client
 from tests.conftest import RedisServer
 from tests.stack_process import run_batch, tidegate_up
 

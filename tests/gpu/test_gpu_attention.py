@@ -13,14 +13,14 @@ import random
 
 import pytest
 import torch
-
-from kernels import ops
-from kernels.paged_attention import PagedAttentionMetadata, paged_attention_ref
-from kernels.paged_attention_triton import (
+from tidegate.kernels import ops
+from tidegate.kernels.cpu.paged_attention import PagedAttentionMetadata, paged_attention_ref
+from tidegate.kernels.gpu.paged_attention_triton import (
     default_num_splits,
     paged_attention_triton,
     paged_decode_attention_triton,
 )
+
 from tests.gpu.conftest import BF16_REL_ERR, rel_err
 
 pytestmark = [pytest.mark.gpu,

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tidegate.kernels.cpu.paged_attention import store_kv_ref
+from tidegate.kernels.gpu.activation_triton import silu_and_mul_triton
+from tidegate.kernels.gpu.kv_store_triton import store_kv_triton
+from tidegate.kernels.gpu.rmsnorm_triton import rms_norm_triton
+from tidegate.kernels.gpu.rotary_triton import rotary_triton
+from tidegate.kernels.reference.activation import silu_and_mul_ref
+from tidegate.kernels.reference.rmsnorm import rms_norm_ref
+from tidegate.kernels.reference.rotary import cos_sin_cache, rotary_ref
 
-from kernels.activation import silu_and_mul_ref
-from kernels.activation_triton import silu_and_mul_triton
-from kernels.kv_store_triton import store_kv_triton
-from kernels.paged_attention import store_kv_ref
-from kernels.rmsnorm import rms_norm_ref
-from kernels.rmsnorm_triton import rms_norm_triton
-from kernels.rotary import cos_sin_cache, rotary_ref
-from kernels.rotary_triton import rotary_triton
 from tests.gpu.conftest import BF16_REL_ERR, rel_err
 
 pytestmark = [pytest.mark.gpu,

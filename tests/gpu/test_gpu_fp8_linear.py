@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import ops
-from kernels.fp8_linear_triton import (
+from tidegate.kernels import ops
+from tidegate.kernels.cpu.linear import linear_ref, norm_linear_ref
+from tidegate.kernels.gpu.fp8_linear_triton import (
     fp8_gemm,
     fp8_linear_triton,
     quantize_rows_fp8,
     quantize_rows_ref,
     w8a8_linear_ref,
 )
-from kernels.fp8_weight import Fp8Weight
-from kernels.linear import linear_ref, norm_linear_ref
+from tidegate.kernels.weights.fp8_weight import Fp8Weight
+
 from tests.gpu.conftest import BF16_REL_ERR, rel_err
 
 pytestmark = [pytest.mark.gpu,

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tidegate.kernels.cpu.linear import linear_ref, norm_linear_ref
+from tidegate.kernels.gpu.int_linear_triton import int_linear_triton
+from tidegate.kernels.weights.int_weight import IntWeight
 
-from kernels.int_linear_triton import int_linear_triton
-from kernels.int_weight import IntWeight
-from kernels.linear import linear_ref, norm_linear_ref
 from tests.gpu.conftest import BF16_REL_ERR, rel_err
 
 pytestmark = [pytest.mark.gpu,

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tidegate.kernels.cpu.linear import linear_ref, norm_linear_ref
+from tidegate.kernels.gpu.linear_triton import pdl_supported, skinny_linear_triton
 
-from kernels.linear import linear_ref, norm_linear_ref
-from kernels.linear_triton import pdl_supported, skinny_linear_triton
 from tests.gpu.conftest import BF16_REL_ERR, rel_err
 
 pytestmark = [pytest.mark.gpu,

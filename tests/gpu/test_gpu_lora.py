@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tidegate.kernels.gpu.lora_triton import add_lora_triton
+from tidegate.kernels.ops import lora_rows
+from tidegate.kernels.reference.lora import NO_ADAPTER, LoraStack, Norm, add_lora_ref
 
-from kernels.lora import NO_ADAPTER, LoraStack, Norm, add_lora_ref
-from kernels.lora_triton import add_lora_triton
-from kernels.ops import lora_rows
 from tests.gpu.conftest import BF16_REL_ERR, rel_err
 
 pytestmark = [pytest.mark.gpu,

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from kernels.native_cpu import NativeCpuKernels, native_kernels
+from tidegate.kernels.cpu.native_cpu import NativeCpuKernels, native_kernels
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from starlette.applications import Starlette
+from tidegate.producer.api import ProducerAPI, create_app
+from tidegate.producer.submit.admission import Admission
+from tidegate.streaming.gateway import Gateway
 
-from producer.api import ProducerAPI, create_app
-from producer.submit.admission import Admission
-from streaming.gateway import Gateway
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
 from tidegate.http.auth import Auth

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from tidegate.producer.api import create_app
+from tidegate.producer.submit.admission import Admission
+from tidegate.producer.submit.request_body import MAX_BODY_BYTES
 
-from producer.api import create_app
-from producer.submit.admission import Admission
-from producer.submit.request_body import MAX_BODY_BYTES
 from tests.asgi_server import serve
 from tests.conftest import free_port
 from tests.producer.conftest import MODEL

@@ -13,13 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from tidegate.producer import Client
+from tidegate.producer.errors import Forbidden
+from tidegate.producer.errors import Unauthorized as UnauthorizedError
+from tidegate.producer.submit.admission import Admission
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from producer import Client
-from producer.errors import Forbidden
-from producer.errors import Unauthorized as UnauthorizedError
-from producer.submit.admission import Admission
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tidegate import keys

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from tidegate.producer.api import create_app
+from tidegate.producer.submit.idempotency import Claim
 
-from producer.api import create_app
-from producer.submit.idempotency import Claim
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
 from tests.producer.conftest import MODEL

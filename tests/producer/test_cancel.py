@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from tidegate.producer import Client, SyncClient
+from tidegate.producer.errors import Conflict, JobNotFound
 
-from producer import Client, SyncClient
-from producer.errors import Conflict, JobNotFound
 from tidegate import keys
 from tidegate.jobstore import set_status
 

@@ -14,9 +14,9 @@ import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
+from tidegate.producer import Client, SyncClient
+from tidegate.producer.errors import InvalidRequest, JobNotFound, ServiceUnavailable
 
-from producer import Client, SyncClient
-from producer.errors import InvalidRequest, JobNotFound, ServiceUnavailable
 from tests.asgi_server import serve
 from tests.conftest import free_port
 from tidegate import keys

@@ -10,10 +10,10 @@ import json
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from tidegate.producer.submit.admission import Admission
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from producer.submit.admission import Admission
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tests.streaming.test_gateway import job_events, publish

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 import redis.asyncio as aioredis
+from tidegate.producer.submit.admission import Admission
 from websockets.asyncio.client import connect as ws_connect
 
-from producer.submit.admission import Admission
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tests.producer.openai_compat.test_openai_api import ScriptedWorker

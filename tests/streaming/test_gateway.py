@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from tidegate.streaming.gateway import create_app
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from streaming.gateway import create_app
 from tests.asgi_server import serve, server_errors
 from tests.conftest import RedisServer
 from tidegate import keys

@@ -17,10 +17,10 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+from tidegate.streaming.gateway import create_app
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from streaming.gateway import create_app
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
 from tests.streaming.test_gateway import (

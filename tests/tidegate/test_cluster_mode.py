@@ -262,7 +262,7 @@ async def test_the_hub_follows_a_job_across_a_failover_of_its_channels_master(
 
 async def test_lane_partitions_spread_over_shards_and_every_worker_reads_them_all(
         cluster_url: str, redis_cluster: ClusterServers) -> None:
-    from worker.service.intake import StreamIntake
+    from tidegate.worker.service.intake import StreamIntake
 
     partitions = 3
     streams = [keys.lane_stream("m", "interactive", p) for p in range(partitions)]

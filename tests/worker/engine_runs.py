@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.engine.engine import Engine, EngineRequest, RequestOutput
+from tidegate.worker.engine.engine import Engine, EngineRequest, RequestOutput
 
 
 def run_to_end(engine: Engine, reqs: Sequence[EngineRequest] = (),

@@ -134,9 +134,9 @@ def _check_parallel(settings) -> None:  # noqa: ANN001 - Settings, imported lazi
     if settings.speculative != "none":
         raise CliError("--speculative: not served by tensor- or pipeline-parallel workers yet")
     from tidegate.model_files.model_source import ModelLoadError
-    from worker.models.loaders.loader import check_layout
-    from worker.parallel.layout import LayoutError, ParallelLayout
-    from worker.parallel.rank_processes import ParallelStartError, check_devices
+    from tidegate.worker.models.loaders.loader import check_layout
+    from tidegate.worker.parallel.layout import LayoutError, ParallelLayout
+    from tidegate.worker.parallel.rank_processes import ParallelStartError, check_devices
 
     if settings.loras:
         raise CliError("--lora: LoRA adapters are not served by tensor- or pipeline-parallel "
@@ -164,8 +164,8 @@ def _check_device(device: str) -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from tidegate.model_files.model_source import ModelLoadError
-    from worker.service.adapter_loader import AdapterLoadError
-    from worker.service.service import serve
+    from tidegate.worker.service.adapter_loader import AdapterLoadError
+    from tidegate.worker.service.service import serve
 
     settings = _settings(args)
     _check_models(settings, engine=True)
@@ -176,8 +176,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_api(args: argparse.Namespace) -> int:
-    from producer.api import create_app
     from tidegate.http.server_options import serve_asgi
+    from tidegate.producer.api import create_app
 
     settings = _settings(args)
     _check_keys_file(settings.api_keys_file)
@@ -188,8 +188,8 @@ def cmd_api(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from streaming.gateway import create_app
     from tidegate.http.server_options import serve_asgi
+    from tidegate.streaming.gateway import create_app
 
     settings = _settings(args)
     _check_keys_file(settings.api_keys_file)
@@ -197,7 +197,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from producer.errors import InvalidRequest, TidegateError
+    from tidegate.producer.errors import InvalidRequest, TidegateError
 
     try:
         return asyncio.run(_submit(args))
@@ -209,7 +209,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 async def _submit(args: argparse.Namespace) -> int:
-    from producer.client import Client
+    from tidegate.producer.client import Client
 
     messages = None
     prompt: str | None = args.prompt
@@ -257,8 +257,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     import torch
 
     from tidegate.model_files.model_source import ModelLoadError
-    from worker.models.loaders.loader import load_model
-    from worker.models.perplexity import perplexity
+    from tidegate.worker.models.loaders.loader import load_model
+    from tidegate.worker.models.perplexity import perplexity
 
     try:
         text = open(args.text, encoding="utf-8").read()  # noqa: SIM115 - read at once
@@ -307,7 +307,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from worker.quantization.quantize import QuantizeError, QuantizeOptions, quantize_model
+    from tidegate.worker.quantization.quantize import QuantizeError, QuantizeOptions, quantize_model
 
     calibration = None
     if args.calibration is not None:
@@ -642,7 +642,7 @@ def _batch_id(raw: str) -> str:
 def cmd_batch(args: argparse.Namespace) -> int:
     from redis.exceptions import RedisError
 
-    from producer.batches import batch
+    from tidegate.producer.batches import batch
 
     settings, redis = _batch_redis(args)
 
@@ -716,9 +716,9 @@ def _progress(state, end: str = "\n") -> None:  # noqa: ANN001
 def cmd_batch_worker(args: argparse.Namespace) -> int:
     from redis.exceptions import RedisError
 
-    from producer.batches.batch_worker import make_worker, redis_check
     from tidegate.model_files.model_catalog import ModelCatalog
     from tidegate.operations.status_server import StatusServer
+    from tidegate.producer.batches.batch_worker import make_worker, redis_check
 
     settings = _settings(args)
     catalog = ModelCatalog(_check_models(settings))

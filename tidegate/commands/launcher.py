@@ -99,12 +99,12 @@ def combined_app(settings: Settings):  # -> Starlette
     """The HTTP API and the WebSocket gateway as one ASGI app on one port."""
     from starlette.applications import Starlette
 
-    from producer.api import ProducerAPI
-    from producer.openapi_paths import producer_docs
-    from streaming.gateway import Gateway
-    from streaming.openapi_paths import gateway_docs
     from tidegate.http.auth import Auth
     from tidegate.http.openapi import openapi_route
+    from tidegate.producer.api import ProducerAPI
+    from tidegate.producer.openapi_paths import producer_docs
+    from tidegate.streaming.gateway import Gateway
+    from tidegate.streaming.openapi_paths import gateway_docs
 
     auth = Auth.from_settings(settings)  # one, so "auth is off" is said once
     api = ProducerAPI(settings, auth=auth)

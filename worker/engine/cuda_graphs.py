@@ -23,14 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from kernels import ops
-from kernels.lora import NO_ADAPTER
-from kernels.ops import lora_rows
-from kernels.paged_attention import padded_tables
-from kernels.paged_attention_triton import default_num_splits
-from worker.models.decoder import DecoderModel, LayerAttention
-from worker.models.lora_weights import LoraBatch, LoraWeights
+from tidegate.kernels import ops
+from tidegate.kernels.cpu.paged_attention import padded_tables
+from tidegate.kernels.gpu.paged_attention_triton import default_num_splits
+from tidegate.kernels.ops import lora_rows
+from tidegate.kernels.reference.lora import NO_ADAPTER
+from tidegate.worker.models.decoder import DecoderModel, LayerAttention
+from tidegate.worker.models.lora_weights import LoraBatch, LoraWeights
 
 
 def capture_sizes(max_batch: int) -> list[int]:

@@ -7,7 +7,7 @@ released incrementally, stopped by EOS, stop token ids, stop strings or max_toke
 A request with a ``response_format`` samples under its grammar's token mask, computed on the
 host while the device runs the step's forward pass, and ends once its grammar is complete.
 A request may name a LoRA adapter registered with ``add_adapter``: requests of different
-adapters and of the base model share steps (``worker.engine.lora_manager``).
+adapters and of the base model share steps (``tidegate.worker.engine.lora_manager``).
 """
 
 from __future__ import annotations
@@ -22,39 +22,39 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-
-from kernels.lora import MAX_RANK
-from tidegate.model_files.tokenizer import Tokenizer
-from tidegate.protocol import FinishReason, SamplingParams
-from tidegate.structured.grammar import GrammarError, grammar_of
-from worker.engine.block_manager import BlockManager
-from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.grammar_masks import GrammarMasks, GrammarUnavailable, TokenMask
-from worker.engine.kv_cache import (
+from tidegate.kernels.reference.lora import MAX_RANK
+from tidegate.worker.engine.block_manager import BlockManager
+from tidegate.worker.engine.detokenizer import IncrementalDetokenizer
+from tidegate.worker.engine.grammar_masks import GrammarMasks, GrammarUnavailable, TokenMask
+from tidegate.worker.engine.kv_cache import (
     KV_CACHE_DTYPES,
     KVCacheSpec,
     bytes_per_block,
     kv_cache_torch_dtype,
     plan_kv_cache,
 )
-from worker.engine.lora_manager import AdapterError, LoraManager
-from worker.engine.model_runner import ModelRunner, StepLogits
-from worker.engine.sampler import SamplerLaunch, TokenLogprobs, is_penalised
-from worker.engine.scheduler import (
+from tidegate.worker.engine.lora_manager import AdapterError, LoraManager
+from tidegate.worker.engine.model_runner import ModelRunner, StepLogits
+from tidegate.worker.engine.sampler import SamplerLaunch, TokenLogprobs, is_penalised
+from tidegate.worker.engine.scheduler import (
     ScheduledChunk,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
-from worker.engine.sequence import SeqStatus, Sequence
-from worker.models.decoder import DecoderModel
-from worker.models.lora_weights import LoraWeights
-from worker.parallel.model_group import ModelGroup
-from worker.parallel.parallel_runner import ParallelRunner
-from worker.speculative.draft_model_speculator import DraftModelSpeculator
-from worker.speculative.draft_verifier import DraftVerifier
-from worker.speculative.ngram_speculator import NgramSpeculator
-from worker.speculative.speculation_governor import SpeculationGovernor
+from tidegate.worker.engine.sequence import SeqStatus, Sequence
+from tidegate.worker.models.decoder import DecoderModel
+from tidegate.worker.models.lora_weights import LoraWeights
+from tidegate.worker.parallel.model_group import ModelGroup
+from tidegate.worker.parallel.parallel_runner import ParallelRunner
+from tidegate.worker.speculative.draft_model_speculator import DraftModelSpeculator
+from tidegate.worker.speculative.draft_verifier import DraftVerifier
+from tidegate.worker.speculative.ngram_speculator import NgramSpeculator
+from tidegate.worker.speculative.speculation_governor import SpeculationGovernor
+
+from tidegate.model_files.tokenizer import Tokenizer
+from tidegate.protocol import FinishReason, SamplingParams
+from tidegate.structured.grammar import GrammarError, grammar_of
 
 log = logging.getLogger("tidegate.engine")
 
@@ -108,7 +108,7 @@ class EngineConfig:
     # Speculative decoding: "ngram" (prompt lookup: drafts are what followed the last tokens'
     # latest earlier occurrence), "draft" (a draft model, given to the engine), None: off.
     # Up to num_speculative_tokens drafts a step per request, verified in the step's one
-    # forward pass (worker.speculative); a step that speculates is read back before the
+    # forward pass (tidegate.worker.speculative); a step that speculates is read back before the
     # next is launched (with async_output, the step in flight is read back first; steps that
     # do not speculate overlap as usual). speculative_max_batch: speculate in steps of at
     # most this many running requests; None: wherever it measures faster
@@ -257,7 +257,7 @@ def build_runner(model: DecoderModel, config: EngineConfig, lora: LoraManager | 
 class Engine:
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig,
                  group: ModelGroup | None = None, draft: DecoderModel | None = None) -> None:
-        """``group``: rank 0's handle on a parallel worker (``worker.parallel``); the model
+        """``group``: rank 0's handle on a parallel worker (``tidegate.worker.parallel``); the model
         is then rank 0's share and every step goes to the other ranks too. ``draft``: the
         draft model of ``speculative="draft"``, on the model's device, sharing its
         tokenizer."""

@@ -6,7 +6,7 @@ kept per grammar (least recently used dropped past ``cache_size``) and each requ
 from a copy of it. After every token a request's matcher advances; before every sampling the
 masks of the step's constrained rows are computed in parallel (llguidance's thread pool, the
 GIL released) into a pinned host buffer of packed bits, which the sampler uploads and applies
-on the device (``kernels.ops.apply_token_bitmask``). The engine computes them while the device
+on the device (``tidegate.kernels.ops.apply_token_bitmask``). The engine computes them while the device
 runs the step's forward pass, so they cost the step nothing while they take less time.
 A matcher is never used by two threads at once: while ``fill_async`` runs, the engine touches
 only the dict of matchers, never a matcher.

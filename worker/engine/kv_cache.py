@@ -3,7 +3,7 @@
 Layout: ``[num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]``; the
 block manager decides which blocks each request owns, the kernels read and write them. The
 CPU's 8-bit cache ("int8") is int8 with ``head_dim + 4`` bytes per head: the head's values
-rounded to 8 bits, then their float32 scale (``kernels.paged_attention``), 3.8x fewer bytes per
+rounded to 8 bits, then their float32 scale (``tidegate.kernels.cpu.paged_attention``), 3.8x fewer bytes per
 token than float32, so a decode step at batch 32 streams a third of the memory.
 """
 
@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kernels.dispatch import kernel_mode
-from kernels.native_cpu import native_kernels
-from worker.models.config import ModelConfig
+from tidegate.kernels.cpu.native_cpu import native_kernels
+from tidegate.kernels.dispatch import kernel_mode
+from tidegate.worker.models.config import ModelConfig
 
 GIB = 1 << 30
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")

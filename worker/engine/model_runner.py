@@ -3,7 +3,7 @@
 The step's tokens from every scheduled chunk go through one forward pass as a flat batch:
 token ids, positions, slot mapping (where each token's key and value are stored), block tables,
 context lengths and query start offsets. Attention, the KV store and the other operations go
-through ``kernels.ops``; only the chunks that reach their sequence's end are sampled. A step
+through ``tidegate.kernels.ops``; only the chunks that reach their sequence's end are sampled. A step
 whose requests use LoRA adapters gets their slots from the ``LoraManager`` (copying in those
 not resident) and hands the model each row's slot; a step without any runs the base model
 alone, as if LoRA were off.
@@ -16,20 +16,19 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from kernels import ops
-from kernels.lora import NO_ADAPTER
-from kernels.native_cpu import native_kernels
-from kernels.ops import lora_rows
-from kernels.paged_attention import PagedAttentionMetadata, PagedLayer, upload
-from worker.engine.grammar_masks import TokenMask
-from worker.engine.kv_cache import KVCacheSpec, allocate_kv_cache
-from worker.engine.lora_manager import LoraManager
-from worker.engine.sampler import Sampler, SamplerLaunch, SamplerOutput
-from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
-from worker.engine.sequence import Sequence
-from worker.models.decoder import DecoderModel, LayerAttention
-from worker.models.lora_weights import LoraBatch
+from tidegate.kernels import ops
+from tidegate.kernels.cpu.native_cpu import native_kernels
+from tidegate.kernels.cpu.paged_attention import PagedAttentionMetadata, PagedLayer, upload
+from tidegate.kernels.ops import lora_rows
+from tidegate.kernels.reference.lora import NO_ADAPTER
+from tidegate.worker.engine.grammar_masks import TokenMask
+from tidegate.worker.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from tidegate.worker.engine.lora_manager import LoraManager
+from tidegate.worker.engine.sampler import Sampler, SamplerLaunch, SamplerOutput
+from tidegate.worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+from tidegate.worker.engine.sequence import Sequence
+from tidegate.worker.models.decoder import DecoderModel, LayerAttention
+from tidegate.worker.models.lora_weights import LoraBatch
 
 # A sampled chunk of up to this many tokens may run in the decode graphs, a row per token
 # (a draft model's catch-up after its drafts were kept: the last draft and the target's token).
@@ -95,7 +94,7 @@ class ModelInput:
 
 
 class PipelineLink(Protocol):
-    """A pipeline stage's links (``worker.parallel.model_group.ModelGroup``)."""
+    """A pipeline stage's links (``tidegate.worker.parallel.model_group.ModelGroup``)."""
 
     sends_tokens: bool  # the last stage's first shard: it hands rank 0 the sampled tokens
     receives_tokens: bool  # rank 0
@@ -117,7 +116,7 @@ class ModelRunner:
         sequences, each context up to ``max_model_len`` tokens, in CUDA graphs (with
         ``lora``, each size twice: without adapters and with). ``kv_dtype``: the cache's
         element type (default the model's). ``stage``: the links of a pipeline stage
-        (``worker.parallel``): the residual stream comes from the stage before and goes to the
+        (``tidegate.worker.parallel``): the residual stream comes from the stage before and goes to the
         next, the last stage samples and hands the tokens to rank 0; steps run eagerly."""
         self.model = model
         self.lora = lora
@@ -135,7 +134,7 @@ class ModelRunner:
             native_kernels()
         self.graphs = None
         if cuda_graph_max_batch > 0 and self.device.type == "cuda":
-            from worker.engine.cuda_graphs import CudaGraphDecoder
+            from tidegate.worker.engine.cuda_graphs import CudaGraphDecoder
 
             self.graphs = CudaGraphDecoder(
                 model, self.kv_cache, block_size=self.block_size, max_batch=cuda_graph_max_batch,

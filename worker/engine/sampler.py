@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from tidegate.kernels import ops
+from tidegate.kernels.cpu.paged_attention import upload
+from tidegate.worker.engine.grammar_masks import TokenMask
 
-from kernels import ops
-from kernels.paged_attention import upload
 from tidegate.protocol import SamplingParams
-from worker.engine.grammar_masks import TokenMask
 
 # Logprobs are clamped to this floor (as vLLM does) so -inf never reaches JSON.
 LOGPROB_FLOOR = -9999.0
@@ -37,7 +37,7 @@ GREEDY_BELOW = 1e-5
 
 
 class SamplingRow(Protocol):
-    """What the sampler reads from a request; ``worker.engine.sequence.Sequence`` satisfies it."""
+    """What the sampler reads from a request; ``tidegate.worker.engine.sequence.Sequence`` satisfies it."""
 
     request_id: str
     params: SamplingParams

@@ -18,9 +18,10 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tidegate.worker.engine.block_manager import BlockManager
+from tidegate.worker.engine.sequence import SeqStatus, Sequence
+
 from tidegate.routing.prefix_hashes import block_hash, prompt_block_hashes
-from worker.engine.block_manager import BlockManager
-from worker.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """``ModelConfig``: one decoder's shape and the features its family switches on.
 
-Every family (``worker.models.families``) reads its own config.json (or GGUF metadata) into
-this one dataclass; the decoder (``worker.models.decoder``), the KV cache and the engine read
+Every family (``tidegate.worker.models.families``) reads its own config.json (or GGUF metadata) into
+this one dataclass; the decoder (``tidegate.worker.models.decoder``), the KV cache and the engine read
 only the fields, never a family's name. Defaults are Llama's, so a Llama config sets only its
 shape.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.rotary import Scaling
+from tidegate.kernels.reference.rotary import Scaling
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_KINDS = ("full", "sliding")

@@ -10,7 +10,7 @@ A layer with none of those features (Llama's, Mistral's without a window) keeps 
 paths: few rows on a GPU fold each norm into the projection after it and each residual add
 into the one before; the CPU's 8-bit path runs the whole layer in one native call.
 
-A rank of a parallel worker (``worker.parallel``) builds the model of its share (``Partition``):
+A rank of a parallel worker (``tidegate.worker.parallel``) builds the model of its share (``Partition``):
 a config with its heads, MLP columns and layers, the embedding and LM head rows of its
 vocabulary slice. Row-parallel projections (o, down, the experts' down) then give partial
 sums that ``TensorComm.all_reduce`` adds up (the residual added by rank 0 alone), the
@@ -19,7 +19,7 @@ residual stream from the stage before instead of token ids, and only the last on
 final norm and the LM head.
 
 A step with LoRA adapters (``LoraBatch``) adds each row's adapter to every projection's output
-(``kernels.ops.add_lora``): the normed inputs of q/k/v and gate/up, which the fused paths never
+(``tidegate.kernels.ops.add_lora``): the normed inputs of q/k/v and gate/up, which the fused paths never
 write out, are normed inside the adapter's shrink, and SiLU runs after gate/up's adapter.
 """
 
@@ -31,19 +31,18 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from tidegate.kernels import ops
+from tidegate.kernels.cpu.decoder_layer import DecoderWeights
+from tidegate.kernels.cpu.paged_attention import PagedLayer
+from tidegate.kernels.reference.lora import LoraRows
+from tidegate.kernels.reference.rotary import cos_sin_cache
+from tidegate.kernels.weights.fp8_weight import Fp8Weight
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.kernels.weights.packed_weight import PackedWeight
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.models.lora_weights import LayerLora, LoraBatch
+from tidegate.worker.models.packed_modules import PackedEmbedding, PackedLinear, PackedMatrix
 from torch import nn
-
-from kernels import ops
-from kernels.decoder_layer import DecoderWeights
-from kernels.fp8_weight import Fp8Weight
-from kernels.int_weight import IntWeight
-from kernels.lora import LoraRows
-from kernels.packed_weight import PackedWeight
-from kernels.paged_attention import PagedLayer
-from kernels.rotary import cos_sin_cache
-from worker.models.config import ModelConfig
-from worker.models.lora_weights import LayerLora, LoraBatch
-from worker.models.packed_modules import PackedEmbedding, PackedLinear, PackedMatrix
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +74,7 @@ class AttentionBackend(Protocol):
 
 
 class TensorComm(Protocol):
-    """The collectives of a tensor-parallel group (``worker.parallel.model_group``)."""
+    """The collectives of a tensor-parallel group (``tidegate.worker.parallel.model_group``)."""
 
     tp_rank: int
 
@@ -134,7 +133,7 @@ class CausalAttention:
 
 class Experts(nn.Module):
     """Routed experts (Mixtral, Qwen3-MoE): a router, then each token's top-k experts' gated
-    MLPs weighed by the router's probabilities (``kernels.ops.moe``)."""
+    MLPs weighed by the router's probabilities (``tidegate.kernels.ops.moe``)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -309,7 +308,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, partition: Partition | None = None) -> None:
         """``partition``: the share a rank of a parallel worker holds (``cfg`` is then that
-        rank's config, ``worker.parallel.layout.RankPlace.local_config``)."""
+        rank's config, ``tidegate.worker.parallel.layout.RankPlace.local_config``)."""
         super().__init__()
         self.cfg = cfg
         self.partition = partition

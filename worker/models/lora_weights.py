@@ -2,7 +2,7 @@
 
 The decoder's projections are packed (q, k and v in one matrix, gate and up in another), so an
 adapter's matrices are laid out the same way: one segmented stack per packed projection
-(``kernels.lora.LoraStack`` with ``segments``), each holding ``num_slots`` adapters of rank up
+(``tidegate.kernels.reference.lora.LoraStack`` with ``segments``), each holding ``num_slots`` adapters of rank up
 to ``max_rank``, zero-padded. An adapter is first checked and staged on the host
 (``stage``: its matrices in the model's dtype, pinned), then copied into a slot when a step
 needs it (``load``); a slot keeps whatever was last loaded into it.
@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kernels.lora import LoraRows, LoraStack
-from worker.models.config import ModelConfig
-from worker.models.loaders.lora_adapter import LoraAdapter
+from tidegate.kernels.reference.lora import LoraRows, LoraStack
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.models.loaders.lora_adapter import LoraAdapter
 
 # Projection groups in the order the decoder applies them, and the adapter projections packed
 # into each (as the model packs its weights).
@@ -148,7 +147,7 @@ class LoraWeights:
 
 @dataclass(frozen=True, slots=True)
 class LoraBatch:
-    """A step's adapters: the slots, and each flat row's slot (``kernels.lora.LoraRows``,
+    """A step's adapters: the slots, and each flat row's slot (``tidegate.kernels.reference.lora.LoraRows``,
     built once per step and shared by every projection of every layer)."""
 
     weights: LoraWeights

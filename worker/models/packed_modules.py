@@ -1,24 +1,23 @@
 """Model parts whose weights stay packed: a projection (``PackedLinear``) over GGUF blocks
-(``kernels.packed_weight``), integers with group scales (``kernels.int_weight``: GPTQ, AWQ,
-compressed-tensors) or FP8 values scaled per row (``kernels.fp8_weight``), and an embedding
+(``tidegate.kernels.weights.packed_weight``), integers with group scales (``tidegate.kernels.weights.int_weight``: GPTQ, AWQ,
+compressed-tensors) or FP8 values scaled per row (``tidegate.kernels.weights.fp8_weight``), and an embedding
 table (``PackedEmbedding``) in GGUF block formats.
 
 They stand in for ``nn.Linear`` / ``nn.Embedding`` in a model whose file is quantized: the model
 calls ``ops.linear(x, module.weight)`` and ``module(ids)`` either way, and the kernels read the
 blocks directly. The weight is a plain attribute, not a parameter: it is never trained, cast or
 moved by ``Module.to``. ``use_activations`` sets what the CPU multiplies them with
-(``kernels.q8_activations``: float32 or 8-bit activations).
+(``tidegate.kernels.reference.q8_activations``: float32 or 8-bit activations).
 """
 
 from __future__ import annotations
 
 import torch
+from tidegate.kernels import ops
+from tidegate.kernels.weights.fp8_weight import Fp8Weight
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.kernels.weights.packed_weight import PackedWeight
 from torch import nn
-
-from kernels import ops
-from kernels.fp8_weight import Fp8Weight
-from kernels.int_weight import IntWeight
-from kernels.packed_weight import PackedWeight
 
 # Every matrix a PackedLinear may hold.
 PackedMatrix = PackedWeight | IntWeight | Fp8Weight

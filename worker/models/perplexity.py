@@ -15,8 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-
-from worker.models.decoder import CausalAttention, DecoderModel
+from tidegate.worker.models.decoder import CausalAttention, DecoderModel
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 It holds its shard of the model and of the KV cache and a model runner like rank 0's; it
 never talks to Redis and never schedules. It repeats what rank 0's runner did, in the same
-order (``worker.parallel.step_plan``), until told to stop.
+order (``tidegate.worker.parallel.step_plan``), until told to stop.
 """
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from __future__ import annotations
 import logging
 
 import torch
-
-from worker.engine.model_runner import ModelRunner, StepLogits
-from worker.engine.sampler import SamplerLaunch
-from worker.parallel.model_group import ModelGroup
-from worker.parallel.step_plan import ForwardOp, FreeOp, PlanReader, SampleOp, StopOp
+from tidegate.worker.engine.model_runner import ModelRunner, StepLogits
+from tidegate.worker.engine.sampler import SamplerLaunch
+from tidegate.worker.parallel.model_group import ModelGroup
+from tidegate.worker.parallel.step_plan import ForwardOp, FreeOp, PlanReader, SampleOp, StopOp
 
 log = logging.getLogger("tidegate.parallel")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from worker.models.config import ModelConfig
+from tidegate.worker.models.config import ModelConfig
 
 
 class LayoutError(ValueError):

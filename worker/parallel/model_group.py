@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from worker.engine.sampler import SamplerOutput
-from worker.parallel.layout import RankPlace
+from tidegate.worker.engine.sampler import SamplerOutput
+from tidegate.worker.parallel.layout import RankPlace
 
 # NVLink multicast stays off in every rank (the device README: it can take a shared host's
 # GPUs out of service); an operator's own setting is kept.

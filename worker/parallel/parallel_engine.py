@@ -2,7 +2,7 @@
 
 Starts the other ranks (``RankProcesses``), joins their group, loads rank 0's share and builds
 the engine whose every step the other ranks follow; ``Engine.close`` stops and waits for them.
-The worker (``worker.service.service.build_engine``) and the tests start parallel engines here.
+The worker (``tidegate.worker.service.service.build_engine``) and the tests start parallel engines here.
 """
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ import logging
 
 import torch
 import torch.distributed as dist
-
-from worker.engine.engine import Engine, EngineConfig
-from worker.models.loaders.loader import load_model
-from worker.parallel.layout import ParallelLayout
-from worker.parallel.model_group import ModelGroup
-from worker.parallel.parallel_runner import ParallelRunner
-from worker.parallel.rank_processes import RankProcesses, ShareSpec, rank_device
+from tidegate.worker.engine.engine import Engine, EngineConfig
+from tidegate.worker.models.loaders.loader import load_model
+from tidegate.worker.parallel.layout import ParallelLayout
+from tidegate.worker.parallel.model_group import ModelGroup
+from tidegate.worker.parallel.parallel_runner import ParallelRunner
+from tidegate.worker.parallel.rank_processes import RankProcesses, ShareSpec, rank_device
 
 log = logging.getLogger("tidegate.parallel")
 

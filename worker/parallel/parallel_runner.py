@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NoReturn
 
-from worker.engine.grammar_masks import TokenMask
-from worker.engine.model_runner import ModelRunner, StepLogits
-from worker.engine.sampler import SamplerLaunch, SamplerOutput
-from worker.engine.scheduler import SchedulerOutput
-from worker.parallel.model_group import ModelGroup, is_peer_lost
-from worker.parallel.step_plan import FreeOp, Op, PlanWriter, SampleOp, StopOp
+from tidegate.worker.engine.grammar_masks import TokenMask
+from tidegate.worker.engine.model_runner import ModelRunner, StepLogits
+from tidegate.worker.engine.sampler import SamplerLaunch, SamplerOutput
+from tidegate.worker.engine.scheduler import SchedulerOutput
+from tidegate.worker.parallel.model_group import ModelGroup, is_peer_lost
+from tidegate.worker.parallel.step_plan import FreeOp, Op, PlanWriter, SampleOp, StopOp
 
 
 class ParallelRunner:

@@ -23,9 +23,8 @@ from multiprocessing.process import BaseProcess
 from typing import NoReturn
 
 import torch
-
-from worker.parallel.layout import ParallelLayout
-from worker.parallel.model_group import ModelGroup, is_peer_lost, multicast_off
+from tidegate.worker.parallel.layout import ParallelLayout
+from tidegate.worker.parallel.model_group import ModelGroup, is_peer_lost, multicast_off
 
 log = logging.getLogger("tidegate.parallel")
 
@@ -46,7 +45,7 @@ class ShareSpec:
     dtype: str  # "auto" or a torch dtype's name
     quantize: str | None
     seed: int
-    engine: object  # worker.engine.engine.EngineConfig
+    engine: object  # tidegate.worker.engine.engine.EngineConfig
     torch_threads: int | None = None
 
 
@@ -153,9 +152,9 @@ def follower_main(layout: ParallelLayout, rank: int, init_method: str, spec: Sha
                   parent: int) -> None:
     """A child rank: join the group, load the share, follow rank 0 until told to stop."""
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    from worker.engine.engine import EngineConfig, build_runner
-    from worker.models.loaders.loader import load_model
-    from worker.parallel.follower import Follower
+    from tidegate.worker.engine.engine import EngineConfig, build_runner
+    from tidegate.worker.models.loaders.loader import load_model
+    from tidegate.worker.parallel.follower import Follower
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     device = rank_device(spec.device, rank)

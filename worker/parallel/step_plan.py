@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tidegate.worker.engine.grammar_masks import TokenMask
+from tidegate.worker.engine.sampler import is_penalised
+from tidegate.worker.engine.scheduler import SchedulerOutput
+
 from tidegate.protocol import SamplingParams
-from worker.engine.grammar_masks import TokenMask
-from worker.engine.sampler import is_penalised
-from worker.engine.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,11 +16,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
-
-from worker.models.config import ModelConfig
-from worker.models.decoder import DecoderModel, TensorSource
-from worker.models.loaders.random_weights import INIT_STD
-from worker.parallel.layout import ParallelLayout, RankPlace
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.models.decoder import DecoderModel, TensorSource
+from tidegate.worker.models.loaders.random_weights import INIT_STD
+from tidegate.worker.parallel.layout import ParallelLayout, RankPlace
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 

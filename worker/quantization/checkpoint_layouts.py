@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from kernels.fp8_weight import Fp8Weight
-from kernels.int_weight import IntWeight
+from tidegate.kernels.weights.fp8_weight import Fp8Weight
+from tidegate.kernels.weights.int_weight import IntWeight
 
 # AutoAWQ packs output column 8c + AWQ_ORDER[i] into field i of word c.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

@@ -18,11 +18,10 @@ from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
-
-from kernels.fp8_weight import Fp8Weight
-from kernels.int_weight import IntWeight
-from worker.models.config import ModelConfig
-from worker.quantization.checkpoint_layouts import (
+from tidegate.kernels.weights.fp8_weight import Fp8Weight
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.quantization.checkpoint_layouts import (
     awq_layout,
     compressed_tensors_layout,
     float_quantized_layout,

@@ -16,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kernels.int_weight import IntWeight, rtn
+from tidegate.kernels.weights.int_weight import IntWeight, rtn
 
 
 @dataclass

@@ -10,11 +10,11 @@ which calibrate (GPTQ, AWQ) where this cannot; benchmarks quantize random-weight
 
 from __future__ import annotations
 
-from kernels.fp8_weight import Fp8Weight
-from kernels.int_weight import IntWeight
-from worker.models.config import ModelConfig
-from worker.models.decoder import DecoderModel, layer_matrices
-from worker.models.packed_modules import PackedLinear
+from tidegate.kernels.weights.fp8_weight import Fp8Weight
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.models.decoder import DecoderModel, layer_matrices
+from tidegate.worker.models.packed_modules import PackedLinear
 
 METHODS = ("fp8", "rtn-int8", "rtn-int4")
 # Tried largest first for 4 bits: the first that divides every projection's input width

@@ -29,20 +29,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tidegate.kernels import ops
+from tidegate.kernels.weights.fp8_weight import Fp8Weight
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.models.decoder import CausalAttention, DecoderLayer, layer_matrices
+from tidegate.worker.models.loaders.gguf_weights import GGUFWeights
+from tidegate.worker.models.loaders.hf_weights import SafetensorsWeights
+from tidegate.worker.models.loaders.loader import load_model
+from tidegate.worker.quantization.awq import awq_scales
+from tidegate.worker.quantization.gptq import HessianStats, gptq_quantize
+from tidegate.worker.quantization.online import auto_group
 
-from kernels import ops
-from kernels.fp8_weight import Fp8Weight
-from kernels.int_weight import IntWeight
 from tidegate.model_files.model_source import ModelLoadError, ModelSource, hf_config, resolve_model
 from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
-from worker.models.config import ModelConfig
-from worker.models.decoder import CausalAttention, DecoderLayer, layer_matrices
-from worker.models.loaders.gguf_weights import GGUFWeights
-from worker.models.loaders.hf_weights import SafetensorsWeights
-from worker.models.loaders.loader import load_model
-from worker.quantization.awq import awq_scales
-from worker.quantization.gptq import HessianStats, gptq_quantize
-from worker.quantization.online import auto_group
 
 # method -> (bits, algorithm)
 METHODS: dict[str, tuple[int, str]] = {
@@ -140,7 +140,7 @@ def quantize_model(spec: str, out: Path, options: QuantizeOptions,
             weights, folded = _awq_model(source, windows, bits, group, options, progress)
             tensors = ChainMap(folded, tensors)  # type: ignore[arg-type]
 
-    from worker.quantization.checkpoint_writer import write_checkpoint
+    from tidegate.worker.quantization.checkpoint_writer import write_checkpoint
 
     written = write_checkpoint(out, config_json or config, tensors, weights, tokenizer,
                                format=options.format, symmetric=options.symmetric)
@@ -190,7 +190,9 @@ def _source(spec: str) -> tuple[ModelSource, ModelConfig, Mapping[str, torch.Ten
         if source.kind == "gguf":
             weights: GGUFWeights | SafetensorsWeights = GGUFWeights(source.path)
         else:
-            from worker.models.loaders.quantized.quantized_safetensors import quantization_config
+            from tidegate.worker.models.loaders.quantized.quantized_safetensors import (
+                quantization_config,
+            )
 
             if quantization_config(source.path) is not None:
                 raise QuantizeError(f"{source.path} is already quantized "

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError, ResponseError
+from tidegate.worker.engine.engine import Engine
 
 from tidegate import keys
 from tidegate.routing.cache_announcement import (
@@ -31,7 +32,6 @@ from tidegate.routing.cache_announcement import (
     read_table,
     withdraw,
 )
-from worker.engine.engine import Engine
 
 log = logging.getLogger("tidegate.worker")
 

@@ -24,9 +24,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
-
-from worker.engine.engine import Engine
-from worker.service.intake import StreamIntake
+from tidegate.worker.engine.engine import Engine
+from tidegate.worker.service.intake import StreamIntake
 
 # Seconds; the same spread as vLLM's request-latency buckets, down to 1 ms for token gaps.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,

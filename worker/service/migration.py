@@ -6,7 +6,7 @@ and samples on with the same RNG stream (``job_seed``), announcing ``migrated`` 
 starting over. Continuing is impossible when the stored events no longer hold every token
 from the first (the stream was trimmed, or expired), or when they do not add up (indices with a
 gap); then the job runs again from the start after a ``restarted`` event. The engine makes the
-last check: the tokens must give the text already sent (``worker.engine.engine.ResumeError``).
+last check: the tokens must give the text already sent (``tidegate.worker.engine.engine.ResumeError``).
 """
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ the cancel listener, heartbeats and visibility refreshes.
 * Deadlines: an expired job is never started (``rejected: deadline_exceeded``); a running job
   that reaches its deadline stops with ``finish_reason: deadline``, keeping its text.
 * Load shedding: a job this worker cannot finish in time is rejected at once
-  (``rejected: cannot_meet_deadline``, ``worker.shedding.load_shedder``).
-* Cancellation: pushed by the API (``worker.service.cancel_listener``), applied at the next step.
+  (``rejected: cannot_meet_deadline``, ``tidegate.worker.shedding.load_shedder``).
+* Cancellation: pushed by the API (``tidegate.worker.service.cancel_listener``), applied at the next step.
 * At-least-once: a job is acked in the same script that stores its result. The worker
   refreshes its in-flight entries; entries other workers left idle past the visibility timeout
   are reclaimed and continue from the last stored token after a ``migrated`` event
-  (``worker.service.migration``; ``restarted`` and a run from the start where that is impossible).
+  (``tidegate.worker.service.migration``; ``restarted`` and a run from the start where that is impossible).
   A job whose workers die ``max_deliveries`` times in a row before storing a token goes to the
   dead-letter stream; deliveries that made progress don't count.
 * Redis outage: the writer retries its batch unchanged and the engine pauses until it lands.
@@ -49,6 +49,29 @@ from typing import TYPE_CHECKING
 import redis.asyncio as aioredis
 import torch
 from redis.exceptions import RedisError
+from tidegate.worker.engine.engine import (
+    Engine,
+    EngineConfig,
+    EngineRequest,
+    RequestError,
+    RequestOutput,
+    ResumeError,
+)
+from tidegate.worker.engine.grammar_masks import GrammarUnavailable
+from tidegate.worker.models.decoder import DecoderModel
+from tidegate.worker.parallel.layout import ParallelLayout
+from tidegate.worker.parallel.parallel_engine import start_parallel_engine
+from tidegate.worker.service.adapter_loader import AdapterLoader
+from tidegate.worker.service.arrivals import IDLE_BLOCK_MS, Arrival, ArrivalIntake
+from tidegate.worker.service.cache_announcer import CacheAnnouncer
+from tidegate.worker.service.cancel_listener import CancelListener
+from tidegate.worker.service.cpu_tuning import keep_large_allocations
+from tidegate.worker.service.intake import Delivery, StreamIntake
+from tidegate.worker.service.metrics import ProcessMetrics, WorkerMetrics
+from tidegate.worker.service.migration import job_seed
+from tidegate.worker.service.publisher import ActiveJob, EventPublisher
+from tidegate.worker.shedding.calibration import calibrate, timed_step
+from tidegate.worker.shedding.load_shedder import Commitments, Load, LoadShedder, ShedderConfig
 
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
@@ -62,32 +85,9 @@ from tidegate.retention import Retention
 from tidegate.settings import Settings
 from tidegate.structured.response_format import GrammarFormat
 from tidegate.structured.tool_calls import forced_call_grammar
-from worker.engine.engine import (
-    Engine,
-    EngineConfig,
-    EngineRequest,
-    RequestError,
-    RequestOutput,
-    ResumeError,
-)
-from worker.engine.grammar_masks import GrammarUnavailable
-from worker.models.decoder import DecoderModel
-from worker.parallel.layout import ParallelLayout
-from worker.parallel.parallel_engine import start_parallel_engine
-from worker.service.adapter_loader import AdapterLoader
-from worker.service.arrivals import IDLE_BLOCK_MS, Arrival, ArrivalIntake
-from worker.service.cache_announcer import CacheAnnouncer
-from worker.service.cancel_listener import CancelListener
-from worker.service.cpu_tuning import keep_large_allocations
-from worker.service.intake import Delivery, StreamIntake
-from worker.service.metrics import ProcessMetrics, WorkerMetrics
-from worker.service.migration import job_seed
-from worker.service.publisher import ActiveJob, EventPublisher
-from worker.shedding.calibration import calibrate, timed_step
-from worker.shedding.load_shedder import Commitments, Load, LoadShedder, ShedderConfig
 
 if TYPE_CHECKING:
-    from worker.models.loaders.loader import LoadedModel
+    from tidegate.worker.models.loaders.loader import LoadedModel
 
 log = logging.getLogger("tidegate.worker")
 
@@ -518,7 +518,7 @@ class WorkerService:
 
 def build_engine(settings: Settings) -> Engine:
     """The model and the engine a worker with these settings runs (benchmarks build the same)."""
-    from worker.models.loaders.loader import load_model
+    from tidegate.worker.models.loaders.loader import load_model
 
     keep_large_allocations()
     if settings.torch_threads:
@@ -551,7 +551,7 @@ def _load_draft(settings: Settings, target: LoadedModel, dtype: torch.dtype | No
     """The draft model of ``--speculative draft:MODEL``, on the target's device and dtype;
     ``ModelLoadError`` unless it shares the target's tokenizer (the same vocabulary, ids and
     end tokens): its drafts are token ids the target verifies."""
-    from worker.models.loaders.loader import load_model
+    from tidegate.worker.models.loaders.loader import load_model
 
     spec = settings.speculative.removeprefix("draft:")
     draft = load_model(spec, device=settings.device, dtype=dtype,
@@ -597,8 +597,8 @@ def _prepare_grammars(engine: Engine) -> None:
 
 
 def _build_parallel_engine(settings: Settings, layout: ParallelLayout) -> Engine:
-    """Rank 0 of a tensor- or pipeline-parallel worker (``worker.parallel``); LoRA off."""
-    from worker.models.loaders.loader import check_layout
+    """Rank 0 of a tensor- or pipeline-parallel worker (``tidegate.worker.parallel``); LoRA off."""
+    from tidegate.worker.models.loaders.loader import check_layout
 
     # The other ranks need the engine's config before rank 0 has loaded anything: the
     # context comes from the model's config and tokenizer, read without the weights.

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import time
 
+from tidegate.worker.engine.engine import Engine, EngineRequest, RequestOutput
+from tidegate.worker.shedding.load_shedder import LoadShedder
+
 from tidegate.protocol import SamplingParams
-from worker.engine.engine import Engine, EngineRequest, RequestOutput
-from worker.shedding.load_shedder import LoadShedder
 
 log = logging.getLogger("tidegate.worker")
 

@@ -7,7 +7,7 @@ one catch-up pass over each request's tokens the draft has not computed (the who
 first time; after that the target's last token, and the last draft when all were kept), whose
 last position gives the first draft, then one decode pass per further draft. Drafts are the
 draft model's argmax: a one-hot proposal, which the verifier keeps exactly when the target picks
-it (``worker.speculative.draft_verifier``).
+it (``tidegate.worker.speculative.draft_verifier``).
 
 The draft's cache holds a request's tokens followed by its drafts. Before drafting again, the
 speculator compares what it computed with the request's tokens now: positions up to the first
@@ -23,12 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from worker.engine.block_manager import BlockManager
-from worker.engine.model_runner import ModelRunner
-from worker.engine.sampler import row_argmax
-from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
-from worker.engine.sequence import Sequence
+from tidegate.worker.engine.block_manager import BlockManager
+from tidegate.worker.engine.model_runner import ModelRunner
+from tidegate.worker.engine.sampler import row_argmax
+from tidegate.worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+from tidegate.worker.engine.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -3,8 +3,8 @@ request, kept up to date with its tokens and dropped when it finishes)."""
 
 from __future__ import annotations
 
-from worker.engine.sequence import Sequence
-from worker.speculative.ngram_proposer import NgramIndex
+from tidegate.worker.engine.sequence import Sequence
+from tidegate.worker.speculative.ngram_proposer import NgramIndex
 
 
 class NgramSpeculator:

@@ -10,7 +10,7 @@ tokens per second of decode steps with and without speculation, runs the faster 
 ``explore_every``-th step of a class the other way (rarer, up to 8x, the further behind it
 measured), so a change of workload is noticed. A
 request's tokens are the same either way (greedy and seeded sampling alike,
-``worker.speculative.draft_verifier``); only the speed depends on the choice.
+``tidegate.worker.speculative.draft_verifier``); only the speed depends on the choice.
 ``max_batch`` replaces the measurement with a fixed rule: speculate at batch sizes up to it.
 Plain Python: the engine hands it the times.
 """

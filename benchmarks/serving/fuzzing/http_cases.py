@@ -18,9 +18,8 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
-
-from benchmarks.fuzzing.stack import FuzzStack
-from benchmarks.fuzzing.tally import Tally
+from tidegate.benchmarks.serving.fuzzing.stack import FuzzStack
+from tidegate.benchmarks.serving.fuzzing.tally import Tally
 
 HANG_S = 30.0  # no answer (headers and whole body) within this: a hang
 

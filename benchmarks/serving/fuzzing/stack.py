@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 KEYS = ("tg-fuzz-alpha-7c1e0d9a", "tg-fuzz-bravo-3b8f2e6c")
 MODEL = "random:tiny"
 
@@ -63,8 +63,7 @@ def tidegate_up(redis_url: str, log: Path, *, startup_timeout_s: float = 180,
                 log_level: str = "INFO") -> Iterator[FuzzStack]:
     """The stack, up once its worker heartbeats; stopped (SIGTERM, then SIGKILL) on exit."""
     port = free_port()
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "TIDEGATE_API_KEYS": ",".join(KEYS),
+    env = {**os.environ, "TIDEGATE_API_KEYS": ",".join(KEYS),
            "TIDEGATE_LOG_LEVEL": log_level, "TIDEGATE_METRICS_PORT": str(free_port())}
     with log.open("w") as out:
         proc = subprocess.Popen(

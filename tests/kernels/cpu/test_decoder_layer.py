@@ -1,4 +1,4 @@
-"""The one-call decoder layer (``kernels.decoder_layer``, ``csrc/decoder_layer_cpu.c``) against the
+"""The one-call decoder layer (``tidegate.kernels.cpu.decoder_layer``, ``csrc/decoder_layer_cpu.c``) against the
 op-by-op path it replaces: the engine's hidden states bit for bit, over prompt chunks and decode
 steps of several sequences (prompts of different lengths, chunked), for GGUF blocks and for
 integer weights, with a float32 and an int8 KV cache; and it steps aside where it does not
@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from tidegate.kernels import ops
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
+from tidegate.worker.models.packed_modules import PackedLinear
 
-from kernels import ops
-from kernels.int_weight import IntWeight
 from tests.worker.tiny_checkpoints import tiny_hf_model, write_gguf
 from tidegate.protocol import SamplingParams
-from worker.engine.engine import Engine, EngineConfig, EngineRequest
-from worker.models.loaders.loader import LoadedModel, load_model
-from worker.models.packed_modules import PackedLinear
 
 T = GGMLQuantizationType
 PROMPTS = [[5, 9, 13], list(range(20, 47)), [7] * 12]

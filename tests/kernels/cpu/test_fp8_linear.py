@@ -1,4 +1,4 @@
-"""FP8 weights scaled per row (``kernels.fp8_weight``) and their CPU kernel
+"""FP8 weights scaled per row (``tidegate.kernels.weights.fp8_weight``) and their CPU kernel
 (``csrc/packed_linear_cpu.c``, ``tidegate_fp8_linear_f32``: weight-only, float32 activations)
 against the reference: dequantize, then the float matmul. Every e4m3 code is widened exactly;
 fresh random inputs each run, shapes with partial tiles (6 rows) and strips (24 rows)."""
@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import ops
-from kernels.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Weight
-from kernels.linear import fp8_linear_ref
+from tidegate.kernels import ops
+from tidegate.kernels.cpu.linear import fp8_linear_ref
+from tidegate.kernels.weights.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Weight
 
 # Every e4m3fn byte but the two NaNs (S.1111.111): zeros, subnormals, normals up to +-448.
 CODES = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
@@ -58,7 +57,7 @@ def test_ops_linear_routes_fp8_to_the_native_kernel(native) -> None:  # noqa: AN
 
 def test_without_the_native_kernel_fp8_takes_the_reference(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """``reference`` (the Triton kernels are tests/kernels/test_fp8_linear_triton.py's)."""
+    """``reference`` (the Triton kernels are tests/kernels/gpu/test_fp8_linear_triton.py's)."""
     monkeypatch.setenv("TIDEGATE_KERNELS", "reference")
     w = random_fp8(7, 32)
     x, add = torch.randn(3, 32), torch.randn(3, 7)

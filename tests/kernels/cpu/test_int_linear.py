@@ -1,4 +1,4 @@
-"""Integer weights with group scales (``kernels.int_weight``) and their CPU kernel
+"""Integer weights with group scales (``tidegate.kernels.weights.int_weight``) and their CPU kernel
 (``csrc/packed_linear_cpu.c``, ``tidegate_int_linear_f32``) against the reference:
 dequantize, then the float matmul. The layout is checked against integers unpacked here from
 its definition, so a packing bug cannot cancel out. Fresh random inputs each run."""
@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import ops
-from kernels.int_weight import IntWeight, pack, rtn, unpack
-from kernels.linear import int_linear_ref
+from tidegate.kernels import ops
+from tidegate.kernels.cpu.linear import int_linear_ref
+from tidegate.kernels.weights.int_weight import IntWeight, pack, rtn, unpack
 
 
 def random_int(n: int, k: int, bits: int, group: int | None, perm: bool = False) -> IntWeight:

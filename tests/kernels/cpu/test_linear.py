@@ -4,12 +4,11 @@ in float64 to float32 rounding, contiguous, at any size and row stride."""
 from __future__ import annotations
 
 import pytest
+import tidegate.kernels.cpu.native_cpu as native_cpu
 import torch
 import torch.nn.functional as F
-
-import kernels.native_cpu as native_cpu
-from kernels import ops
-from kernels.linear import NATIVE_ROWS, SKINNY_ROWS
+from tidegate.kernels import ops
+from tidegate.kernels.cpu.linear import NATIVE_ROWS, SKINNY_ROWS
 
 
 def close_to_float64(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:

@@ -8,12 +8,12 @@ import random
 from pathlib import Path
 
 import pytest
+import tidegate.kernels.cpu.native_cpu as native_cpu
 import torch
+from tidegate.kernels import ops
+from tidegate.kernels.cpu.paged_attention import paged_decode_attention
 
-import kernels.native_cpu as native_cpu
-from kernels import ops
-from kernels.paged_attention import paged_decode_attention
-from tests.kernels.test_paged_attention import MIXED, assert_close, make_batch
+from tests.kernels.cpu.test_paged_attention import MIXED, assert_close, make_batch
 
 
 @pytest.fixture
@@ -165,7 +165,7 @@ def test_loading_the_native_kernels_keeps_subnormal_floats() -> None:
 def test_native_rms_norm_matches_the_reference(rows: int, with_residual: bool,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIDEGATE_KERNELS", "native")
-    from kernels.rmsnorm import rms_norm_ref
+    from tidegate.kernels.reference.rmsnorm import rms_norm_ref
 
     wide = torch.randn(rows, 700)
     x = wide[:, 3:579]  # a strided view, as the residual stream's slices are
@@ -184,8 +184,8 @@ def test_native_rotary_store_kv_matches_the_reference(tokens: int,
     """In place on q/k views of one fused qkv row, as the model passes them; padding slots
     (-1) are skipped and no other slot is touched."""
     monkeypatch.setenv("TIDEGATE_KERNELS", "native")
-    from kernels.paged_attention import store_kv_ref
-    from kernels.rotary import cos_sin_cache, rotary_ref
+    from tidegate.kernels.cpu.paged_attention import store_kv_ref
+    from tidegate.kernels.reference.rotary import cos_sin_cache, rotary_ref
 
     hq, hk, d = 9, 3, 64
     cache = cos_sin_cache(d, 4096, 10_000.0, None)
@@ -209,7 +209,7 @@ def test_native_rotary_store_kv_matches_the_reference(tokens: int,
 def test_native_silu_and_mul_matches_the_reference(rows: int,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIDEGATE_KERNELS", "native")
-    from kernels.activation import silu_and_mul_ref
+    from tidegate.kernels.reference.activation import silu_and_mul_ref
 
     wide = torch.randn(rows, 3100) * 6
     x = wide[:, 10:3082]  # a strided view: gate then up, 1536 each
@@ -239,8 +239,8 @@ def test_a_prompt_chunk_attends_with_the_decodes_bits(monkeypatch: pytest.Monkey
 def test_an_int8_cache_stores_each_head_rounded_with_its_scale(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIDEGATE_KERNELS", "native")
-    from kernels.paged_attention import quantize_kv_ref
-    from kernels.rotary import cos_sin_cache, rotary_ref
+    from tidegate.kernels.cpu.paged_attention import quantize_kv_ref
+    from tidegate.kernels.reference.rotary import cos_sin_cache, rotary_ref
 
     hq, hk, d, tokens = 9, 3, 64, 7
     cache = cos_sin_cache(d, 4096, 10_000.0, None)
@@ -267,7 +267,7 @@ def test_attention_over_an_int8_cache_is_attention_over_its_values(
         hq: int, hk: int, d: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decodes and prompt chunks (MIXED) against the reference path on the dequantized cache;
     a chunk's rows are the decodes' bits, as with a float cache."""
-    from kernels.paged_attention import dequantize_kv_ref, quantize_kv_ref
+    from tidegate.kernels.cpu.paged_attention import dequantize_kv_ref, quantize_kv_ref
 
     b = make_batch(MIXED, hq=hq, hk=hk, d=d, block_size=16, dtype=torch.float32)
     key8, value8 = quantize_kv_ref(b.key_cache), quantize_kv_ref(b.value_cache)

@@ -9,10 +9,14 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
-
-from kernels import ops
-from kernels.linear import packed_linear_ref
-from kernels.packed_weight import PACKED_TYPES, PackedWeight, UnsupportedType, row_bytes
+from tidegate.kernels import ops
+from tidegate.kernels.cpu.linear import packed_linear_ref
+from tidegate.kernels.weights.packed_weight import (
+    PACKED_TYPES,
+    PackedWeight,
+    UnsupportedType,
+    row_bytes,
+)
 
 T = GGMLQuantizationType
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-from kernels import ops
-from kernels.paged_attention import (
+from tidegate.kernels import ops
+from tidegate.kernels.cpu.paged_attention import (
     PagedAttentionMetadata,
     paged_attention_ref,
     paged_decode_attention,
@@ -208,7 +207,7 @@ def test_many_decodes_are_bucketed_by_length_and_still_exact(
 
 
 def test_block_tables_pad_to_the_widest_with_block_zero() -> None:
-    from kernels.paged_attention import padded_tables
+    from tidegate.kernels.cpu.paged_attention import padded_tables
 
     tables = padded_tables([[7, 3], [], [9, 8, 6, 5]])
     assert tables.dtype == torch.int32

@@ -1,5 +1,5 @@
 """The 8-bit-activation kernels (``csrc/q8_linear_cpu.c``) against their reference: x rounded
-per row to 8-bit blocks as ``kernels.q8_activations`` defines it, then the dequantized matrix's
+per row to 8-bit blocks as ``tidegate.kernels.reference.q8_activations`` defines it, then the dequantized matrix's
 product in float64. Fresh random inputs each run; every quantized GGUF type and integer layout;
 partial strips of 16 weight rows; 1 to 64 rows of x; with and without the residual add; each of
 the compiled paths (AMX and AVX512-VNNI where the CPU has them, AVX2, portable C)."""
@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from tidegate.kernels import ops
+from tidegate.kernels.cpu.linear import int_linear_ref, packed_linear_ref
+from tidegate.kernels.cpu.native_cpu import NativeBuildError, NativeCpuKernels, build
+from tidegate.kernels.reference.q8_activations import dequantize_rows_q8_ref, quantize_rows_q8_ref
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.kernels.weights.packed_weight import Q8_TYPES, PackedWeight
 
-from kernels import ops
-from kernels.int_weight import IntWeight
-from kernels.linear import int_linear_ref, packed_linear_ref
-from kernels.native_cpu import NativeBuildError, NativeCpuKernels, build
-from kernels.packed_weight import Q8_TYPES, PackedWeight
-from kernels.q8_activations import dequantize_rows_q8_ref, quantize_rows_q8_ref
-from tests.kernels.test_packed_linear import cols_for, random_packed
+from tests.kernels.cpu.test_packed_linear import cols_for, random_packed
 
 T = GGMLQuantizationType
 TYPES = sorted(Q8_TYPES, key=int)

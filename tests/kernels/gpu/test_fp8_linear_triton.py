@@ -1,4 +1,4 @@
-"""The FP8 Triton projections (``kernels.fp8_linear_triton``) against their plain-torch
+"""The FP8 Triton projections (``tidegate.kernels.gpu.fp8_linear_triton``) against their plain-torch
 references: per-token activation quantization, the W8A8 GEMM (partial row, column and K tiles,
 the SiLU-and-mul epilogue, the residual add), the few-row weight stream over e4m3 weights (with
 the RMSNorm prologue), and the wrappers' refusals.
@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.fp8_linear_triton import (
+from tidegate.kernels.cpu.linear import linear_ref, norm_linear_ref
+from tidegate.kernels.gpu.fp8_linear_triton import (
     Fp8GemmConfig,
     fp8_linear_triton,
     quantize_rows_fp8,
     quantize_rows_ref,
     w8a8_linear_ref,
 )
-from kernels.fp8_weight import FP8_MAX, Fp8Weight
-from kernels.linear import linear_ref, norm_linear_ref
-from kernels.linear_triton import SkinnyConfig, skinny_linear_triton
+from tidegate.kernels.gpu.linear_triton import SkinnyConfig, skinny_linear_triton
+from tidegate.kernels.weights.fp8_weight import FP8_MAX, Fp8Weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16]
@@ -143,8 +142,8 @@ def test_refusals_name_the_operand() -> None:
 def test_norm_and_silu_kernels_round_their_rows_to_e4m3(dtype: torch.dtype) -> None:
     """The RMSNorm (with its residual add) and SiLU-and-mul kernels that feed W8A8 GEMMs: their
     e4m3 rows and scales are ``quantize_rows_fp8`` of what the plain kernels write."""
-    from kernels.activation_triton import silu_and_mul_fp8, silu_and_mul_triton
-    from kernels.rmsnorm_triton import rms_norm_fp8, rms_norm_triton
+    from tidegate.kernels.gpu.activation_triton import silu_and_mul_fp8, silu_and_mul_triton
+    from tidegate.kernels.gpu.rmsnorm_triton import rms_norm_fp8, rms_norm_triton
 
     x = activations(9, 200, dtype, spread=0.5)  # 200: a masked tail in the row's block
     res = torch.randn(9, 200, device=DEVICE, dtype=dtype)
@@ -166,7 +165,7 @@ def test_many_row_steps_take_the_fused_w8a8_path(monkeypatch: pytest.MonkeyPatch
     """ops.norm_project / silu_project with e4m3 weights: the norm or SiLU kernel's e4m3 rows
     into the GEMM, equal to quantizing the plain kernels' output; a row or two stream the
     weights instead (activations unrounded)."""
-    from kernels import ops
+    from tidegate.kernels import ops
 
     monkeypatch.setenv("TIDEGATE_KERNELS", "triton")
     w_qkv, w_down = fp8_weight(N, K), fp8_weight(N, N)

@@ -1,4 +1,4 @@
-"""The integer-dot GEMV (``kernels.int_gemv_triton``), the default for 1-2 rows of an integer
+"""The integer-dot GEMV (``tidegate.kernels.gpu.int_gemv_triton``), the default for 1-2 rows of an integer
 projection: against ``int_gemv_ref`` (activations rounded to int8 per run of 32 as the kernel
 rounds them, then the float product with the dequantized weights), and against the unrounded
 activations within the rounding's own error; 4 and 8 bits, groups of 32, 64, 128 and the whole
@@ -16,11 +16,15 @@ import dataclasses
 
 import pytest
 import torch
-
-from kernels.int_gemv_triton import IntGemvConfig, applies, default_config, int_gemv_ref
-from kernels.int_linear_triton import int_linear_triton
-from kernels.int_weight import IntWeight
-from kernels.linear import linear_ref
+from tidegate.kernels.cpu.linear import linear_ref
+from tidegate.kernels.gpu.int_gemv_triton import (
+    IntGemvConfig,
+    applies,
+    default_config,
+    int_gemv_ref,
+)
+from tidegate.kernels.gpu.int_linear_triton import int_linear_triton
+from tidegate.kernels.weights.int_weight import IntWeight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16]

@@ -1,11 +1,11 @@
-"""The integer-weight Triton projection (``kernels.int_linear_triton``) against the dequantized
+"""The integer-weight Triton projection (``tidegate.kernels.gpu.int_linear_triton``) against the dequantized
 matrix through the plain-torch references: 4 and 8 bits, groups of 32, 64 and the whole row
 (and the group sizes that are no power of two), symmetric and asymmetric, with and without
 act-order, on the FMA path (1-2 rows, asked for by its config, or where the integer-dot GEMV
 does not apply) and the tensor-core path (partial row and column tiles), with the RMSNorm
 prologue, the SiLU-and-mul epilogue and the residual add; then the tiles' choice and the
 wrapper's refusals. The integer-dot GEMV that serves 1-2 rows by default is
-``tests/kernels/test_int_gemv_triton.py``.
+``tests/kernels/gpu/test_int_gemv_triton.py``.
 
 Without CUDA they run in Triton's interpreter (small shapes, float32 and float16; bfloat16 and
 the model's shapes are in ``tests/gpu/test_gpu_int_linear.py``).
@@ -17,10 +17,13 @@ import dataclasses
 
 import pytest
 import torch
-
-from kernels.int_linear_triton import IntLinearConfig, default_config, int_linear_triton
-from kernels.int_weight import IntWeight
-from kernels.linear import linear_ref, norm_linear_ref
+from tidegate.kernels.cpu.linear import linear_ref, norm_linear_ref
+from tidegate.kernels.gpu.int_linear_triton import (
+    IntLinearConfig,
+    default_config,
+    int_linear_triton,
+)
+from tidegate.kernels.weights.int_weight import IntWeight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16]

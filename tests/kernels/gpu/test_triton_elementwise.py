@@ -14,16 +14,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-
-from kernels import ops
-from kernels.activation import silu_and_mul_ref
-from kernels.activation_triton import silu_and_mul_triton
-from kernels.kv_store_triton import store_kv_triton
-from kernels.paged_attention import store_kv_ref
-from kernels.rmsnorm import rms_norm_ref
-from kernels.rmsnorm_triton import rms_norm_triton
-from kernels.rotary import cos_sin_cache, rotary_ref
-from kernels.rotary_triton import rotary_store_kv_triton, rotary_triton
+from tidegate.kernels import ops
+from tidegate.kernels.cpu.paged_attention import store_kv_ref
+from tidegate.kernels.gpu.activation_triton import silu_and_mul_triton
+from tidegate.kernels.gpu.kv_store_triton import store_kv_triton
+from tidegate.kernels.gpu.rmsnorm_triton import rms_norm_triton
+from tidegate.kernels.gpu.rotary_triton import rotary_store_kv_triton, rotary_triton
+from tidegate.kernels.reference.activation import silu_and_mul_ref
+from tidegate.kernels.reference.rmsnorm import rms_norm_ref
+from tidegate.kernels.reference.rotary import cos_sin_cache, rotary_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16]
@@ -299,15 +298,13 @@ def test_ops_rotary_dispatch(monkeypatch: pytest.MonkeyPatch, mode: str,
 @pytest.fixture
 def triton_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Names of the Triton wrappers called while the test runs with TIDEGATE_KERNELS=triton."""
-    import kernels.activation_triton
-    import kernels.kv_store_triton
-    import kernels.rmsnorm_triton
+    from tidegate.kernels.gpu import activation_triton, kv_store_triton, rmsnorm_triton
 
     monkeypatch.setenv("TIDEGATE_KERNELS", "triton")
     calls: list[str] = []
-    for module, name in ((kernels.rmsnorm_triton, "rms_norm_triton"),
-                         (kernels.activation_triton, "silu_and_mul_triton"),
-                         (kernels.kv_store_triton, "store_kv_triton")):
+    for module, name in ((rmsnorm_triton, "rms_norm_triton"),
+                         (activation_triton, "silu_and_mul_triton"),
+                         (kv_store_triton, "store_kv_triton")):
         real = getattr(module, name)
 
         def spy(*args: object, _real: Callable[..., object] = real, _name: str = name) -> object:

@@ -20,18 +20,18 @@ import dataclasses
 
 import pytest
 import torch
-
-from kernels.activation import gelu_and_mul_ref
-from kernels.activation_triton import gelu_and_mul_triton
-from kernels.paged_attention import paged_attention_ref, paged_decode_attention
-from kernels.paged_attention_triton import (
+from tidegate.kernels.cpu.paged_attention import paged_attention_ref, paged_decode_attention
+from tidegate.kernels.gpu.activation_triton import gelu_and_mul_triton
+from tidegate.kernels.gpu.paged_attention_triton import (
     DECODE_BLOCK_N,
     paged_attention_triton,
     paged_decode_attention_triton,
 )
-from tests.kernels.test_paged_attention import Batch, assert_close
-from tests.kernels.test_triton_attention import DEVICE, batch_on_device
-from tests.kernels.test_triton_attention import (
+from tidegate.kernels.reference.activation import gelu_and_mul_ref
+
+from tests.kernels.cpu.test_paged_attention import Batch, assert_close
+from tests.kernels.gpu.test_triton_attention import DEVICE, batch_on_device
+from tests.kernels.gpu.test_triton_attention import (
     poisoned_empty as poisoned_empty,  # autouse: NaN empties
 )
 

@@ -1,4 +1,4 @@
-"""The few-row Triton projection (``kernels.linear_triton``) against its plain-torch references:
+"""The few-row Triton projection (``tidegate.kernels.gpu.linear_triton``) against its plain-torch references:
 plain, with the RMSNorm prologue, the SiLU-and-mul epilogue and the residual add, for every tile
 variant (whole-row FMA, FMA with partial sums kept, tensor-core dot) and for row counts, widths
 and depths that leave partial tiles.
@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import ops
-from kernels.linear import linear_ref, norm_linear_ref
-from kernels.linear_triton import MAX_ROWS, SkinnyConfig, default_config, skinny_linear_triton
+from tidegate.kernels import ops
+from tidegate.kernels.cpu.linear import linear_ref, norm_linear_ref
+from tidegate.kernels.gpu.linear_triton import (
+    MAX_ROWS,
+    SkinnyConfig,
+    default_config,
+    skinny_linear_triton,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16]
@@ -95,7 +99,7 @@ def test_default_tiles_follow_the_shape() -> None:
 
 
 def test_ops_route_one_row_to_the_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels.linear_triton as linear_triton
+    import tidegate.kernels.gpu.linear_triton as linear_triton
 
     monkeypatch.setenv("TIDEGATE_KERNELS", "triton")
     calls = []

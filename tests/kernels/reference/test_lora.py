@@ -1,4 +1,4 @@
-"""Batched LoRA (``kernels.lora``): the reference against the row-by-row definition and against
+"""Batched LoRA (``tidegate.kernels.reference.lora``): the reference against the row-by-row definition and against
 weights merged the way PEFT merges them, and the Triton kernels against the reference: rows of
 several adapters, of ranks below the stack's, and of none, in one call; packed projections of
 one to three segments (on column tiles and straddling them); RMSNorm fused on the input; one
@@ -13,17 +13,17 @@ from itertools import pairwise
 
 import pytest
 import torch
-
-from kernels import lora_triton, ops
-from kernels.lora import NO_ADAPTER, LoraStack, Norm, add_lora_ref, rms_norm_f32
-from kernels.lora_triton import (
+from tidegate.kernels import ops
+from tidegate.kernels.gpu import lora_triton
+from tidegate.kernels.gpu.lora_triton import (
     BLOCK_M,
     DIRECT_ROWS,
     add_lora_triton,
     row_tiles,
     shrink_splits,
 )
-from kernels.ops import lora_rows
+from tidegate.kernels.ops import lora_rows
+from tidegate.kernels.reference.lora import NO_ADAPTER, LoraStack, Norm, add_lora_ref, rms_norm_f32
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6

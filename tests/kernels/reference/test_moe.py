@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.moe import moe_ref, route
-from kernels.moe_triton import MoeTiles, default_tiles, expert_layout, moe_triton
+from tidegate.kernels.gpu.moe_triton import MoeTiles, default_tiles, expert_layout, moe_triton
+from tidegate.kernels.reference.moe import moe_ref, route
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import ops
-from kernels import token_bitmask_triton as bitmask_triton
-from kernels.token_bitmask import apply_token_bitmask_ref
-from kernels.token_bitmask_triton import apply_token_bitmask_triton
+from tidegate.kernels import ops
+from tidegate.kernels.gpu import token_bitmask_triton as bitmask_triton
+from tidegate.kernels.gpu.token_bitmask_triton import apply_token_bitmask_triton
+from tidegate.kernels.reference.token_bitmask import apply_token_bitmask_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEG_INF = float("-inf")

@@ -13,8 +13,8 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 from openai import AsyncOpenAI, OpenAI
+from tidegate.producer.submit.admission import Admission
 
-from producer.submit.admission import Admission
 from tests.conftest import RedisServer
 from tests.producer.conftest import MODEL, SERVED, serve_stack
 from tidegate import keys

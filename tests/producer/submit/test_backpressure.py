@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from tidegate.producer import Client
+from tidegate.producer.errors import QueueFull
+from tidegate.producer.submit.admission import Admission
+from tidegate.producer.submit.backlog import CACHE_S, LaneBacklog, LaneFull
 
-from producer import Client
-from producer.errors import QueueFull
-from producer.submit.admission import Admission
-from producer.submit.backlog import CACHE_S, LaneBacklog, LaneFull
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tidegate import keys

@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from tidegate.producer import Client
+from tidegate.producer.submit.admission import Admission
+from tidegate.producer.submit.idempotency import STALE_CLAIM_MS, Claim
+from tidegate.producer.submit.submit_path import SubmitPath
 
-from producer import Client
-from producer.submit.admission import Admission
-from producer.submit.idempotency import STALE_CLAIM_MS, Claim
-from producer.submit.submit_path import SubmitPath
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tidegate import keys

@@ -1,12 +1,12 @@
-"""``producer.submit.prefix_router.PrefixRouter``: where a job goes given the workers'
+"""``tidegate.producer.submit.prefix_router.PrefixRouter``: where a job goes given the workers'
 announcements and this router's own recent routes, with a fake clock and wall clock (no
 Redis): the longest cached chain, load, first sight, predictions, expiry and tie-breaks."""
 
 from __future__ import annotations
 
 import pytest
+from tidegate.producer.submit.prefix_router import BALANCE, PrefixRouter, Route
 
-from producer.submit.prefix_router import BALANCE, PrefixRouter, Route
 from tidegate.routing.cache_announcement import CacheAnnouncement
 from tidegate.routing.prefix_hashes import prompt_block_hashes, short
 

@@ -7,8 +7,14 @@ import asyncio
 
 import pytest
 import redis.asyncio as aioredis
+from tidegate.producer.submit.rate_limit import (
+    RateLimited,
+    RateLimiter,
+    RateState,
+    TenantLimits,
+    duration,
+)
 
-from producer.submit.rate_limit import RateLimited, RateLimiter, RateState, TenantLimits, duration
 from tidegate import keys
 from tidegate.http.key_file import UNLIMITED, KeyLimits
 

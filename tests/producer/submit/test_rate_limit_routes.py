@@ -17,13 +17,13 @@ import httpx
 import openai
 import pytest
 import redis.asyncio as aioredis
+from tidegate.producer import Client
+from tidegate.producer.errors import QueueFull, RateLimitExceeded
+from tidegate.producer.submit.admission import Admission
+from tidegate.producer.submit.rate_limit import duration
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from producer import Client
-from producer.errors import QueueFull, RateLimitExceeded
-from producer.submit.admission import Admission
-from producer.submit.rate_limit import duration
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tests.producer.openai_compat.test_openai_api import ScriptedWorker

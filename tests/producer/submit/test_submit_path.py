@@ -13,11 +13,11 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from tidegate.producer.submit.admission import INLINE_PROMPT_CHARS, Admission
+from tidegate.producer.submit.batched import Batched
+from tidegate.producer.submit.refusal import Refusal
+from tidegate.producer.submit.submit_path import SubmitPath
 
-from producer.submit.admission import INLINE_PROMPT_CHARS, Admission
-from producer.submit.batched import Batched
-from producer.submit.refusal import Refusal
-from producer.submit.submit_path import SubmitPath
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
 from tests.producer.conftest import MODEL
@@ -206,7 +206,7 @@ def test_is_quick_counts_message_contents() -> None:
 async def test_concurrent_submits_make_one_job_each(
         redis_server: RedisServer, redis_url: str, admission: Admission,
         aredis: aioredis.Redis) -> None:
-    from producer.api import create_app
+    from tidegate.producer.api import create_app
 
     settings = Settings(redis_url=redis_url, model=MODEL)
     with serve(create_app(settings, admission=admission)) as url:
@@ -251,7 +251,7 @@ def test_a_claim_is_stored_as_it_always_was() -> None:
     """Claims written before this change must still read back, and twins compare values."""
     from dataclasses import asdict
 
-    from producer.submit.idempotency import Claim
+    from tidegate.producer.submit.idempotency import Claim
 
     claim = Claim(job_id="j" * 32, stream_token="t-_" * 10, created_ms=1796126161822)
     assert claim.encode() == json.dumps(asdict(claim), sort_keys=True)

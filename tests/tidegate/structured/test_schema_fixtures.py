@@ -1,6 +1,6 @@
 """The JSON schema fixtures (``tests/fixtures/json_schemas.json``) are what they claim to be.
 
-Other tests and the grammar engine benchmark (``benchmarks/grammar_engines.py``) run requests
+Other tests and the grammar engine benchmark (``benchmarks/engine/grammar_engines.py``) run requests
 under these schemas and teacher-force their examples, so each fixture must hold together: its
 example is valid JSON Schema-wise, its schema compiles to an llguidance grammar, and the example,
 written compactly as our grammars write JSON, is accepted token by token on the default model's

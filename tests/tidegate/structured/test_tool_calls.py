@@ -10,8 +10,8 @@ import json
 
 import llguidance
 import pytest
+from tidegate.producer.submit.admission import Admission, AdmissionError
 
-from producer.submit.admission import Admission, AdmissionError
 from tidegate.model_files.chat_template import CHATML_TEMPLATE
 from tidegate.model_files.model_source import resolve_model
 from tidegate.model_files.tokenizer import load_tokenizer

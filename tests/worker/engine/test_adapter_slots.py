@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from worker.engine.adapter_slots import AdapterSlots
+from tidegate.worker.engine.adapter_slots import AdapterSlots
 
 
 def test_adapters_fill_free_slots_then_evict_the_least_recently_used() -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-
-from worker.engine.block_manager import BlockManager
+from tidegate.worker.engine.block_manager import BlockManager
 
 
 def toks(n: int, start: int = 0) -> list[int]:
@@ -141,6 +140,6 @@ def test_out_of_blocks_without_checking_is_a_clear_error() -> None:
 def test_control_code_imports_no_torch() -> None:
     import subprocess
 
-    code = "import sys, worker.engine.block_manager, worker.engine.scheduler; print('torch' in sys.modules)"
+    code = "import sys, tidegate.worker.engine.block_manager, tidegate.worker.engine.scheduler; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.engine.detokenizer import IncrementalDetokenizer
+from tidegate.worker.engine.detokenizer import IncrementalDetokenizer
 
 
 class ByteDecoder:

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tidegate.worker.engine.engine import (
+    Engine,
+    EngineConfig,
+    EngineRequest,
+    RequestError,
+    RequestOutput,
+)
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 
 from tests.worker.hf_oracle import causal_greedy, hf_greedy
 from tidegate.protocol import SamplingParams
-from worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestError, RequestOutput
-from worker.models.loaders.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 

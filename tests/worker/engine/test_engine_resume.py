@@ -5,10 +5,16 @@ penalties and stop strings; a continuation that cannot hold is refused with ``Re
 from __future__ import annotations
 
 import pytest
+from tidegate.worker.engine.engine import (
+    Engine,
+    EngineConfig,
+    EngineRequest,
+    RequestOutput,
+    ResumeError,
+)
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 
 from tidegate.protocol import SamplingParams
-from worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput, ResumeError
-from worker.models.loaders.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 

@@ -21,12 +21,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-
-from tests.worker.engine.test_engine import run_all
-from tidegate.protocol import SamplingParams
-from tidegate.structured.grammar import lark_grammar, validation_error
-from tidegate.structured.response_format import GrammarFormat, RegexFormat
-from worker.engine.engine import (
+from tidegate.worker.engine.engine import (
     Engine,
     EngineConfig,
     EngineRequest,
@@ -34,7 +29,12 @@ from worker.engine.engine import (
     RequestOutput,
     ResumeError,
 )
-from worker.models.loaders.loader import LoadedModel, load_model
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
+
+from tests.worker.engine.test_engine import run_all
+from tidegate.protocol import SamplingParams
+from tidegate.structured.grammar import lark_grammar, validation_error
+from tidegate.structured.response_format import GrammarFormat, RegexFormat
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -1,19 +1,19 @@
 """The engine with every kernel on its Triton path (the interpreter on a CPU, the GPU where
 there is one) produces the plain-torch engine's greedy tokens: chunked prefill, decode, and
-prefix-cache hits all go through the Triton kernels behind ``kernels.ops``, and so do the one-row
+prefix-cache hits all go through the Triton kernels behind ``tidegate.kernels.ops``, and so do the one-row
 decode steps' fused projections (norm, SiLU and residual add in the weight stream)."""
 
 from __future__ import annotations
 
 import pytest
+import tidegate.kernels.gpu.linear_triton as linear_triton
+import tidegate.kernels.gpu.paged_attention_triton as attention_triton
+import tidegate.kernels.gpu.rmsnorm_triton as rmsnorm_triton
 import torch
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
+from tidegate.worker.models.loaders.loader import load_model
 
-import kernels.linear_triton as linear_triton
-import kernels.paged_attention_triton as attention_triton
-import kernels.rmsnorm_triton as rmsnorm_triton
 from tidegate.protocol import SamplingParams
-from worker.engine.engine import Engine, EngineConfig, EngineRequest
-from worker.models.loaders.loader import load_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

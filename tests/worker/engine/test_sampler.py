@@ -9,9 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from tidegate.protocol import SamplingParams
-from worker.engine.sampler import (
+from tidegate.worker.engine.sampler import (
     Sampler,
     SamplerOutput,
     apply_min_p,
@@ -19,6 +17,8 @@ from worker.engine.sampler import (
     top_k_top_p_cutoff,
     two_stage_argmax,
 )
+
+from tidegate.protocol import SamplingParams
 
 
 @dataclass
@@ -120,7 +120,7 @@ def test_a_vanishing_temperature_is_greedy() -> None:
 @pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-46])
 def test_a_top_p_that_rounds_to_zero_keeps_the_best_token(top_p: float) -> None:
     # Valid (top_p > 0), yet 0 in float32: the nucleus must still hold the best token (it
-    # held none, and a gather at index -1 killed the worker; found by benchmarks/fuzz.py).
+    # held none, and a gather at index -1 killed the worker; found by benchmarks/serving/fuzz.py).
     logits = torch.randn(4, 512)
     for top_k in (0, 5):
         assert sample(logits, rows(4, temperature=1.0, top_p=top_p, top_k=top_k)) == \

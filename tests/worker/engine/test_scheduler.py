@@ -5,17 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 import pytest
-
-from tidegate.protocol import SamplingParams
-from worker.engine.block_manager import BlockManager
-from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.scheduler import (
+from tidegate.worker.engine.block_manager import BlockManager
+from tidegate.worker.engine.detokenizer import IncrementalDetokenizer
+from tidegate.worker.engine.scheduler import (
     HOLD_MIN_TOKENS,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
-from worker.engine.sequence import SeqStatus, Sequence
+from tidegate.worker.engine.sequence import SeqStatus, Sequence
+
+from tidegate.protocol import SamplingParams
 
 
 class ByteDecoder:

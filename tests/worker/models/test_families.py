@@ -10,9 +10,13 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from tidegate.kernels.reference.moe import route
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from tidegate.worker.models.decoder import Experts
+from tidegate.worker.models.families import MODEL_TYPES
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 from transformers import PreTrainedModel
 
-from kernels.moe import route
 from tests.worker.engine_runs import run_to_end
 from tests.worker.hf_oracle import causal_logits, hf_greedy, hf_logits
 from tests.worker.models.family_checkpoints import (
@@ -23,10 +27,6 @@ from tests.worker.models.family_checkpoints import (
 )
 from tidegate.model_files.model_source import HF_MODEL_TYPES, ModelLoadError
 from tidegate.protocol import SamplingParams
-from worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
-from worker.models.decoder import Experts
-from worker.models.families import MODEL_TYPES
-from worker.models.loaders.loader import LoadedModel, load_model
 
 LOGITS_ATOL = 2e-4
 NEW_TOKENS = 24

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 
 from tests.worker.hf_oracle import (
     CHAT_PROMPTS,
@@ -13,7 +14,6 @@ from tests.worker.hf_oracle import (
     hf_greedy,
     hf_logits,
 )
-from worker.models.loaders.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 

@@ -8,9 +8,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from safetensors.torch import load_file, save_file
+from tidegate.kernels.reference.rotary import Llama3Scaling
+from tidegate.worker.models.loaders.gguf_weights import unpermute_qk
+from tidegate.worker.models.loaders.loader import load_model
+from tidegate.worker.models.packed_modules import PackedEmbedding, PackedLinear
 from transformers import LlamaForCausalLM
 
-from kernels.rotary import Llama3Scaling
 from tests.worker.hf_oracle import causal_logits
 from tests.worker.tiny_checkpoints import (
     LLAMA3_ROPE,
@@ -20,9 +23,6 @@ from tests.worker.tiny_checkpoints import (
     write_hf_dir,
 )
 from tidegate.model_files.model_source import ModelLoadError, preset_config
-from worker.models.loaders.gguf_weights import unpermute_qk
-from worker.models.loaders.loader import load_model
-from worker.models.packed_modules import PackedEmbedding, PackedLinear
 
 # A sequence longer than the llama3 variant's original context (32), so scaled bands matter.
 IDS = [256, *range(40, 120, 2), 97, 98, 99, 10, 32, 200, 255, 3, 4]

@@ -1,4 +1,4 @@
-"""Perplexity (``worker.models.perplexity`` and ``tidegate eval-ppl``): the windows' scored
+"""Perplexity (``tidegate.worker.models.perplexity`` and ``tidegate eval-ppl``): the windows' scored
 halves against a direct computation from the model's logits; packed and dequantized weights of
 one quantized GGUF agree to float rounding; bad input is refused with exit code 2."""
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from tidegate.worker.models.loaders.loader import load_model
+from tidegate.worker.models.perplexity import perplexity
 
 from tests.worker.hf_oracle import causal_logits
 from tests.worker.tiny_checkpoints import tiny_hf_model, write_gguf
-from worker.models.loaders.loader import load_model
-from worker.models.perplexity import perplexity
 
 TEXT = ("The tide came in over the flats, slowly at first and then all at once; the gate "
         "keeper counted the waves and wrote each one down. ") * 6

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from worker.models.config import ModelConfig
-from worker.parallel.layout import LayoutError, ParallelLayout, stage_layers
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.parallel.layout import LayoutError, ParallelLayout, stage_layers
 
 LLAMA_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)

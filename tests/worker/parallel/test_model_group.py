@@ -8,10 +8,9 @@ import time
 from typing import Any
 
 import torch
-
-from worker.parallel.layout import ParallelLayout
-from worker.parallel.model_group import MESSAGE_BYTES, ModelGroup
-from worker.parallel.rank_processes import free_port
+from tidegate.worker.parallel.layout import ParallelLayout
+from tidegate.worker.parallel.model_group import MESSAGE_BYTES, ModelGroup
+from tidegate.worker.parallel.rank_processes import free_port
 
 
 def _rank(rank: int, init: str, results: Any) -> None:

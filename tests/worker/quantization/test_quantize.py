@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from tidegate.kernels.weights.fp8_weight import Fp8Weight
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
+from tidegate.worker.models.decoder import CausalAttention
+from tidegate.worker.models.loaders.loader import LoadedModel
+from tidegate.worker.models.packed_modules import PackedLinear
+from tidegate.worker.quantization.online import quantize_loaded
 
-from kernels.fp8_weight import Fp8Weight
-from kernels.int_weight import IntWeight
 from tests.worker.quantized_checkpoints import load_exact_model as load_model
 from tests.worker.tiny_checkpoints import tiny_hf_model, write_gguf, write_hf_dir
 from tidegate.protocol import SamplingParams
-from worker.engine.engine import Engine, EngineConfig, EngineRequest
-from worker.models.decoder import CausalAttention
-from worker.models.loaders.loader import LoadedModel
-from worker.models.packed_modules import PackedLinear
-from worker.quantization.online import quantize_loaded
 
 TEXT = ("The tide came in over the flats, slowly at first and then all at once; the gate "
         "keeper counted the waves and wrote each one down. ") * 8
@@ -166,8 +166,8 @@ def test_awq_folds_its_scales_and_writes_autoawq_layout(hf_dir: Path,
 
 
 def test_awq_scales_favour_the_loud_channels() -> None:
-    from kernels.int_weight import IntWeight
-    from worker.quantization.awq import awq_scales
+    from tidegate.kernels.weights.int_weight import IntWeight
+    from tidegate.worker.quantization.awq import awq_scales
 
     torch.manual_seed(0)
     w = torch.randn(48, 64)

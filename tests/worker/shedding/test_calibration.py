@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
-from worker.engine.engine import Engine, EngineConfig
-from worker.models.loaders.loader import LoadedModel, load_model
-from worker.service.metrics import WorkerMetrics
-from worker.shedding.calibration import calibrate
-from worker.shedding.load_shedder import LoadShedder
+from tidegate.worker.engine.engine import Engine, EngineConfig
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
+from tidegate.worker.service.metrics import WorkerMetrics
+from tidegate.worker.shedding.calibration import calibrate
+from tidegate.worker.shedding.load_shedder import LoadShedder
 
 
 @pytest.fixture(scope="module")

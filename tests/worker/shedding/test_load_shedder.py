@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from worker.shedding.load_shedder import Load, LoadShedder, ShedderConfig
+from tidegate.worker.shedding.load_shedder import Load, LoadShedder, ShedderConfig
 
 
 def trained() -> LoadShedder:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from worker.speculative.ngram_proposer import NgramIndex
+from tidegate.worker.speculative.ngram_proposer import NgramIndex
 
 
 def brute(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

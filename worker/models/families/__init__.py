@@ -10,9 +10,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tidegate.worker.models.families import (
+    gemma,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
+from tidegate.worker.models.families.family import Family
+
 from tidegate.model_files.model_source import ModelLoadError
-from worker.models.families import gemma, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
-from worker.models.families.family import Family
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, phi3.FAMILY, gemma.GEMMA2,

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worker.models.config import ModelConfig
-from worker.models.decoder import TensorNames, TensorSource, hf_tensor_sources
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.models.decoder import TensorNames, TensorSource, hf_tensor_sources
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kernels.rotary import ROPE_TYPES, Llama3Scaling, RopeScaling, Scaling
+from tidegate.kernels.reference.rotary import ROPE_TYPES, Llama3Scaling, RopeScaling, Scaling
+
 from tidegate.model_files.model_source import ModelLoadError
 
 

@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from worker.models.config import ModelConfig
-from worker.models.families.family import Family
-from worker.models.families.hf_config import check_activation, rope_fields, shape_fields
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.models.families.family import Family
+from tidegate.worker.models.families.hf_config import check_activation, rope_fields, shape_fields
 
 
 def mistral_config(hf: Mapping[str, Any], where: Path) -> ModelConfig:

@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from worker.models.config import ModelConfig
-from worker.models.decoder import TensorNames
-from worker.models.families.family import Family
-from worker.models.families.hf_config import check_activation, rope_fields, shape_fields
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.models.decoder import TensorNames
+from tidegate.worker.models.families.family import Family
+from tidegate.worker.models.families.hf_config import check_activation, rope_fields, shape_fields
 
 
 def phi3_config(hf: Mapping[str, Any], where: Path) -> ModelConfig:

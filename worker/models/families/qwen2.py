@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from worker.models.config import ModelConfig
-from worker.models.families.family import Family
-from worker.models.families.hf_config import (
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.models.families.family import Family
+from tidegate.worker.models.families.hf_config import (
     check_activation,
     layer_kinds,
     rope_fields,

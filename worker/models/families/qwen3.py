@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from worker.models.config import ModelConfig
-from worker.models.families.family import Family
-from worker.models.families.hf_config import check_activation, rope_fields, shape_fields
-from worker.models.families.qwen2 import qwen_window
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.models.families.family import Family
+from tidegate.worker.models.families.hf_config import check_activation, rope_fields, shape_fields
+from tidegate.worker.models.families.qwen2 import qwen_window
 
 
 def qwen3_config(hf: Mapping[str, Any], where: Path) -> ModelConfig:

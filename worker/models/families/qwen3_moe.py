@@ -8,16 +8,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tidegate.model_files.model_source import ModelLoadError
-from worker.models.config import ModelConfig
-from worker.models.families.family import Family
-from worker.models.families.hf_config import (
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.models.families.family import Family
+from tidegate.worker.models.families.hf_config import (
     check_activation,
     require,
     rope_fields,
     shape_fields,
 )
-from worker.models.families.qwen2 import qwen_window
+from tidegate.worker.models.families.qwen2 import qwen_window
+
+from tidegate.model_files.model_source import ModelLoadError
 
 
 def qwen3_moe_config(hf: Mapping[str, Any], where: Path) -> ModelConfig:

@@ -5,7 +5,7 @@ dequantized to float32 (``__getitem__``: accelerators, 3-D expert tensors, and a
 packed kernels do not implement).
 
 The metadata is read into the fields a config.json would hold and handed to the family's own
-reader (``worker.models.families``), so a GGUF and a Hugging Face directory of one model give
+reader (``tidegate.worker.models.families``), so a GGUF and a Hugging Face directory of one model give
 the same ``ModelConfig``. llama.cpp's converters differ per architecture in ways that matter
 here: for "llama" (and Mixtral, which is "llama" with experts) they reorder the rows of q_proj
 and k_proj within each head so that its interleaved rotary (pairs 0-1, 2-3, ...) equals HF's
@@ -27,14 +27,14 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
+from tidegate.kernels.reference.rotary import Llama3Scaling, inv_frequencies
+from tidegate.kernels.weights.packed_weight import PACKED_TYPES, PackedWeight
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.models.decoder import TensorNames, TensorSource
+from tidegate.worker.models.families import Family, family_of
 
-from kernels.packed_weight import PACKED_TYPES, PackedWeight
-from kernels.rotary import Llama3Scaling, inv_frequencies
 from tidegate.model_files.gguf_file import GGUFHeader, GGUFTensorInfo
 from tidegate.model_files.model_source import ModelLoadError, gguf_header
-from worker.models.config import ModelConfig
-from worker.models.decoder import TensorNames, TensorSource
-from worker.models.families import Family, family_of
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

@@ -1,5 +1,5 @@
 """Weights from a Hugging Face model directory: config.json (read by the model's family,
-``worker.models.families``) and *.safetensors shards."""
+``tidegate.worker.models.families``) and *.safetensors shards."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.models.families import Family, family_of
 
 from tidegate.model_files.model_source import ModelLoadError, hf_config
-from worker.models.config import ModelConfig
-from worker.models.families import Family, family_of
 
 
 def hf_model_config(model_dir: Path) -> tuple[Family, ModelConfig]:

@@ -17,7 +17,7 @@ they are dequantized.
 
 On the CPU, packed matrices multiply activations rounded to 8-bit blocks (``cpu_activations``
 "int8", the default: integer dot products, as llama.cpp computes the same file) or float32 ones
-("float": exactly the dequantized model's outputs; ``kernels.q8_activations``). FP8 matrices
+("float": exactly the dequantized model's outputs; ``tidegate.kernels.reference.q8_activations``). FP8 matrices
 always take float32 ones there.
 """
 
@@ -29,30 +29,30 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-
-from kernels.fp8_weight import Fp8Weight
-from kernels.int_weight import IntWeight
-from kernels.native_cpu import native_kernels
-from tidegate.model_files.model_source import ModelLoadError, ModelSource, resolve_model
-from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
-from worker.models.config import ModelConfig
-from worker.models.decoder import (
+from tidegate.kernels.cpu.native_cpu import native_kernels
+from tidegate.kernels.weights.fp8_weight import Fp8Weight
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.models.decoder import (
     DecoderModel,
     Partition,
     TensorSource,
     global_rope,
     local_rope,
 )
-from worker.models.loaders.gguf_weights import GGUFWeights
-from worker.models.loaders.hf_weights import SafetensorsWeights
-from worker.models.loaders.quantized.quantized_safetensors import (
+from tidegate.worker.models.loaders.gguf_weights import GGUFWeights
+from tidegate.worker.models.loaders.hf_weights import SafetensorsWeights
+from tidegate.worker.models.loaders.quantized.quantized_safetensors import (
     QuantizedSafetensors,
     quantization_config,
 )
-from worker.models.loaders.random_weights import init_random_weights, preset_llama_config
-from worker.models.packed_modules import PackedMatrix, use_activations
-from worker.parallel.layout import LayoutError, ParallelLayout, RankPlace
-from worker.parallel.weight_shards import WeightSharder, init_random_shard, stage_sources
+from tidegate.worker.models.loaders.random_weights import init_random_weights, preset_llama_config
+from tidegate.worker.models.packed_modules import PackedMatrix, use_activations
+from tidegate.worker.parallel.layout import LayoutError, ParallelLayout, RankPlace
+from tidegate.worker.parallel.weight_shards import WeightSharder, init_random_shard, stage_sources
+
+from tidegate.model_files.model_source import ModelLoadError, ModelSource, resolve_model
+from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
 
 
 @dataclass
@@ -87,7 +87,7 @@ class LoadedModel:
 
 
 # What packed matrices on the CPU multiply. auto is int8: what a llama.cpp user gets from the
-# same file, 2-3x faster projections (benchmarks/results/quantized_cpu.md), a perplexity
+# same file, 2-3x faster projections (benchmarks/results/engine/quantized_cpu.md), a perplexity
 # within 0.1% of float's; float keeps the dequantized model's outputs exactly.
 CPU_ACTIVATIONS = ("auto", "float", "int8")
 
@@ -113,10 +113,10 @@ def load_model(
     ``seed`` only matters for random weights. ``packed``: keep a GGUF file's quantized
     matrices packed (None: wherever the packed kernels serve, i.e. float32 on the CPU with the
     native kernels built; False: dequantize everything). ``quantize`` (``fp8``, ``rtn-int8``,
-    ``rtn-int4``; ``worker.quantization.online``): round a float model's projections at load.
+    ``rtn-int4``; ``tidegate.worker.quantization.online``): round a float model's projections at load.
     ``cpu_activations``: what packed matrices on the CPU multiply, "int8" or "float"
     (``CPU_ACTIVATIONS``; "auto": int8). ``place``: a rank of a parallel worker, which loads
-    only its share (``worker.parallel``; quantized files are dequantized then).
+    only its share (``tidegate.worker.parallel``; quantized files are dequantized then).
     Raises ``ModelLoadError`` naming what is wrong.
     """
     if cpu_activations not in CPU_ACTIVATIONS:
@@ -224,7 +224,7 @@ def _load_share(source: ModelSource, place: RankPlace, device: str | torch.devic
 
 def _quantize_at_load(loaded: LoadedModel, method: str, device: str | torch.device,
                       dtype: torch.dtype) -> None:
-    from worker.quantization.online import METHODS, quantize_model_at_load
+    from tidegate.worker.quantization.online import METHODS, quantize_model_at_load
 
     name = loaded.source.name
     if method not in METHODS:

@@ -4,7 +4,7 @@ An adapter holds, for each (layer, projection) it targets, PEFT's ``lora_A`` [r,
 ``lora_B`` [out, r]; its scale is ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA).
 The projection's weight with the adapter merged is ``W + scale * B @ A``, as PEFT merges it.
 ``stack_adapters`` lays several adapters of one projection side by side for the batched kernel
-(``kernels.lora``), ranks zero-padded to the largest. What PEFT can save but this does not
+(``tidegate.kernels.reference.lora``), ranks zero-padded to the largest. What PEFT can save but this does not
 serve (DoRA, per-module ranks, trained biases, fully trained modules) is refused by name.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from tidegate.kernels.reference.lora import MAX_RANK, LoraStack
 
-from kernels.lora import MAX_RANK, LoraStack
 from tidegate.model_files.model_source import ModelLoadError
 
 CONFIG_FILE = "adapter_config.json"

@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters (``worker.models.loaders.lora_adapter``): an adapter made by ``peft`` on a
+"""PEFT LoRA adapters (``tidegate.worker.models.loaders.lora_adapter``): an adapter made by ``peft`` on a
 tiny random Llama is read back so that every targeted projection's ``W + scale * B @ A`` equals
 PEFT's own merged weight (plain and rsLoRA scaling); stacked with another adapter of a smaller
 rank, the batched kernel gives each row its own adapter's merged output; what PEFT can save but
@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from kernels import ops
-from tidegate.model_files.model_source import ModelLoadError
-from worker.models.loaders.lora_adapter import (
+from tidegate.kernels import ops
+from tidegate.worker.models.loaders.lora_adapter import (
     PROJECTIONS,
     load_lora_adapter,
     stack_adapters,
 )
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tidegate.model_files.model_source import ModelLoadError
 
 # peft (0.21) calls transformers' deprecated is_gradient_checkpointing: theirs, not ours.
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")

@@ -1,5 +1,5 @@
 """Reading quantized Hugging Face checkpoints (GPTQ, AWQ GEMM, compressed-tensors, FP8) one
-linear at a time into ``kernels.int_weight.IntWeight`` or ``kernels.fp8_weight.Fp8Weight``.
+linear at a time into ``tidegate.kernels.weights.int_weight.IntWeight`` or ``tidegate.kernels.weights.fp8_weight.Fp8Weight``.
 
 Every integer format stores the integers of a [N, K] linear and a scale and zero point per group
 of G input columns, value = (q - zero) * scale; they differ in how the integers are packed into

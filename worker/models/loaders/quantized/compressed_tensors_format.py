@@ -11,11 +11,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-
-from kernels.fp8_weight import Fp8Weight
-from kernels.int_weight import IntWeight
-from tidegate.model_files.model_source import ModelLoadError
-from worker.models.loaders.quantized.checkpoint_tensors import (
+from tidegate.kernels.weights.fp8_weight import Fp8Weight
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.worker.models.loaders.quantized.checkpoint_tensors import (
     FLOATS,
     INTS,
     CheckpointTensors,
@@ -23,7 +21,9 @@ from worker.models.loaders.quantized.checkpoint_tensors import (
     check_divides,
     unpack_words,
 )
-from worker.models.loaders.quantized.float_format import fp8_scheme, read_fp8
+from tidegate.worker.models.loaders.quantized.float_format import fp8_scheme, read_fp8
+
+from tidegate.model_files.model_source import ModelLoadError
 
 
 class CompressedTensorsFormat:

@@ -1,4 +1,4 @@
-"""FP8 checkpoints into ``kernels.fp8_weight.Fp8Weight``: the e4m3 linears of compressed-tensors'
+"""FP8 checkpoints into ``tidegate.kernels.weights.fp8_weight.Fp8Weight``: the e4m3 linears of compressed-tensors'
 ``float-quantized`` schemes (llm-compressor's FP8 and FP8_DYNAMIC: ``fp8_scheme`` checks a
 config group, ``read_fp8`` a linear's tensors) and the plain ``quant_method: "fp8"`` configs
 vLLM reads (``Fp8Format``: AutoFP8, per-tensor scales).
@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from tidegate.kernels.weights.fp8_weight import FP8_DTYPE, Fp8Weight
+from tidegate.worker.models.loaders.quantized.checkpoint_tensors import FLOATS, CheckpointTensors
 
-from kernels.fp8_weight import FP8_DTYPE, Fp8Weight
 from tidegate.model_files.model_source import ModelLoadError
-from worker.models.loaders.quantized.checkpoint_tensors import FLOATS, CheckpointTensors
 
 # compressed-tensors formats that hold FP8 weights as float8_e4m3fn tensors named ``weight``
 # (naive-quantized: weight-only schemes, which compressed-tensors does not call float-quantized)

@@ -9,16 +9,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-
-from kernels.int_weight import IntWeight
-from tidegate.model_files.model_source import ModelLoadError
-from worker.models.loaders.quantized.checkpoint_tensors import (
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.worker.models.loaders.quantized.checkpoint_tensors import (
     FLOATS,
     CheckpointTensors,
     act_order,
     check_divides,
     unpack_words,
 )
+
+from tidegate.model_files.model_source import ModelLoadError
 
 
 class GPTQFormat:

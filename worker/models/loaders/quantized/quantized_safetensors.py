@@ -12,20 +12,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from kernels.fp8_weight import Fp8Weight
-from kernels.int_weight import IntWeight
-from tidegate.model_files.model_source import ModelLoadError, hf_config
-from worker.models.loaders.hf_weights import SafetensorsWeights
-from worker.models.loaders.quantized.awq_format import AWQFormat
-from worker.models.loaders.quantized.checkpoint_tensors import (
+from tidegate.kernels.weights.fp8_weight import Fp8Weight
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.worker.models.loaders.hf_weights import SafetensorsWeights
+from tidegate.worker.models.loaders.quantized.awq_format import AWQFormat
+from tidegate.worker.models.loaders.quantized.checkpoint_tensors import (
     CheckpointFormat,
     CheckpointTensors,
     linear_shapes,
 )
-from worker.models.loaders.quantized.compressed_tensors_format import CompressedTensorsFormat
-from worker.models.loaders.quantized.float_format import Fp8Format
-from worker.models.loaders.quantized.gptq_format import GPTQFormat
+from tidegate.worker.models.loaders.quantized.compressed_tensors_format import (
+    CompressedTensorsFormat,
+)
+from tidegate.worker.models.loaders.quantized.float_format import Fp8Format
+from tidegate.worker.models.loaders.quantized.gptq_format import GPTQFormat
+
+from tidegate.model_files.model_source import ModelLoadError, hf_config
 
 
 def quantization_config(model_dir: Path) -> dict[str, Any] | None:

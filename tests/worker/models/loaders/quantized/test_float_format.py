@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file
+from tidegate.kernels.weights.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Weight
+from tidegate.worker.models.loaders.loader import load_model
+from tidegate.worker.models.loaders.quantized.quantized_safetensors import QuantizedSafetensors
 from torch import nn
 
-from kernels.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Weight
 from tests.worker.compressed_tensors_oracle import (
     decompress_with_compressed_tensors,
     needs_compressed_tensors,
@@ -35,8 +37,6 @@ from tests.worker.quantized_checkpoints import (
     tiny_checkpoint,
 )
 from tests.worker.tiny_checkpoints import tiny_hf_model
-from worker.models.loaders.loader import load_model
-from worker.models.loaders.quantized.quantized_safetensors import QuantizedSafetensors
 
 IDS = [256, *range(40, 100, 3), 97, 98, 99, 10, 32, 200, 255]
 Q_PROJ = "model.layers.0.self_attn.q_proj"
