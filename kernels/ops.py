@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from tidegate.kernels.cpu.decoder_layer import DecoderWeights, LayerCall
 from tidegate.kernels.cpu.linear import linear as linear_impl
 from tidegate.kernels.cpu.native_cpu import (

@@ -17,14 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
-from tidegate.producer.errors import FieldError
-from tidegate.producer.submit.refusal import Refusal, answer, validated
-from tidegate.producer.submit.request_body import read_json
-from tidegate.producer.submit.submit_path import SubmitPath
 
 from tidegate import adapter_registry, keys
 from tidegate.adapter_registry import AdapterAnnouncement
 from tidegate.operations.queue_stats import worker_stats
+from tidegate.producer.errors import FieldError
+from tidegate.producer.submit.refusal import Refusal, answer, validated
+from tidegate.producer.submit.request_body import read_json
+from tidegate.producer.submit.submit_path import SubmitPath
 from tidegate.protocol import NAME_PATTERN
 
 LOAD_WAIT_S = 30.0

@@ -19,6 +19,11 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
+
+from tidegate.http.auth import Auth, job_access
+from tidegate.http.openapi import openapi_route
+from tidegate.jobstore import read_result, request_cancel
+from tidegate.operations.operator_routes import metrics_response, readiness_response
 from tidegate.producer.adapter_routes import AdapterRoutes
 from tidegate.producer.errors import error_body
 from tidegate.producer.no_worker_sweeper import NoWorkerSweeper
@@ -30,11 +35,6 @@ from tidegate.producer.submit.idempotency import Claim
 from tidegate.producer.submit.refusal import Refusal, answer
 from tidegate.producer.submit.request_body import read_json, with_header_key
 from tidegate.producer.submit.submit_path import SubmitPath
-
-from tidegate.http.auth import Auth, job_access
-from tidegate.http.openapi import openapi_route
-from tidegate.jobstore import read_result, request_cancel
-from tidegate.operations.operator_routes import metrics_response, readiness_response
 from tidegate.settings import Settings
 
 

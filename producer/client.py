@@ -17,6 +17,10 @@ from urllib.parse import quote, urlencode
 
 import httpx
 from pydantic import ValidationError
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
+
+from tidegate.log_redactor import REDACTOR
 from tidegate.producer.errors import (
     Forbidden,
     InvalidRequest,
@@ -26,10 +30,6 @@ from tidegate.producer.errors import (
     Unauthorized,
     error_from_response,
 )
-from websockets.asyncio.client import connect as ws_connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake
-
-from tidegate.log_redactor import REDACTOR
 from tidegate.protocol import ChatMessage, Event, JobRequest, JobResult, Lane, is_final, parse_event
 
 T = TypeVar("T")

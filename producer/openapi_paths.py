@@ -6,9 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidegate.producer.adapter_routes import AdapterBody
-from tidegate.producer.openai_compat.schema import ChatCompletionRequest, CompletionRequest
-
 from tidegate.http.openapi import (
     KEY_ONLY,
     KEY_OR_TOKEN,
@@ -18,6 +15,8 @@ from tidegate.http.openapi import (
     json_response,
     operator_operations,
 )
+from tidegate.producer.adapter_routes import AdapterBody
+from tidegate.producer.openai_compat.schema import ChatCompletionRequest, CompletionRequest
 from tidegate.protocol import JobRequest, JobResult
 
 JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}

@@ -24,11 +24,6 @@ from typing import Any
 from redis.exceptions import RedisError
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
-from tidegate.producer.errors import FieldError
-from tidegate.producer.submit.backlog import LaneFull
-from tidegate.producer.submit.idempotency import ClaimInProgress
-from tidegate.producer.submit.refusal import Refusal, refusal_of
-from tidegate.producer.submit.submit_path import SubmitPath
 
 from tidegate import keys
 from tidegate.events.ws_relay import (
@@ -41,6 +36,11 @@ from tidegate.events.ws_relay import (
     relay,
 )
 from tidegate.http.auth import AuthError, job_access
+from tidegate.producer.errors import FieldError
+from tidegate.producer.submit.backlog import LaneFull
+from tidegate.producer.submit.idempotency import ClaimInProgress
+from tidegate.producer.submit.refusal import Refusal, refusal_of
+from tidegate.producer.submit.submit_path import SubmitPath
 
 FIRST_FRAME_TIMEOUT_S = 30.0
 CLOSE_FOR_STATUS = {400: CLOSE_BAD_REQUEST, 401: 4401, 403: 4403, 404: 4404, 409: 4409,

@@ -30,7 +30,6 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
-from tidegate.streaming.openapi_paths import gateway_docs
 
 from tidegate.events.event_hub import EventHub, Lagging
 from tidegate.events.ws_relay import (
@@ -47,6 +46,7 @@ from tidegate.operations.operator_routes import metrics_response, readiness_resp
 from tidegate.operations.queue_stats import queue_stats
 from tidegate.redis_conn import connect
 from tidegate.settings import Settings
+from tidegate.streaming.openapi_paths import gateway_docs
 
 STATIC = Path(__file__).with_name("static")
 SSE_KEEPALIVE_S = 15.0

@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 from tidegate.worker.service.cpu_tuning import keep_large_allocations
-
-from tidegate.protocol import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,10 +46,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from tidegate.kernels import ops  # noqa: E402
 from tidegate.kernels.gpu.paged_attention_triton import default_num_splits  # noqa: E402
+from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from tidegate.worker.models.loaders.loader import load_model  # noqa: E402
-
-from tidegate.protocol import SamplingParams  # noqa: E402
 
 # Quantized sections: the same random model, its projections quantized in memory (round to
 # nearest; INT4 in groups of 128, INT8 per channel, FP8 per channel), after the bf16 sections:

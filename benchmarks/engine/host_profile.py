@@ -40,12 +40,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from tidegate.worker.engine.sampler import SamplerLaunch, SamplerOutput  # noqa: E402
 from tidegate.worker.engine.scheduler import SchedulerOutput  # noqa: E402
 from tidegate.worker.models.loaders.loader import load_model  # noqa: E402
-
-from tidegate.protocol import SamplingParams  # noqa: E402
 
 
 @dataclasses.dataclass(slots=True)

@@ -46,9 +46,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
-
 from tidegate.protocol import SamplingParams  # noqa: E402
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -56,6 +55,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def write_adapters(out: Path, preset: str, count: int, rank: int, seed: int) -> list[Path]:
     """``count`` PEFT adapter directories of ``preset``'s shape, every projection targeted."""
     from safetensors.torch import save_file
+
     from tidegate.worker.models.loaders.random_weights import preset_llama_config
 
     cfg = preset_llama_config(preset)

@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 
 import torch
+
+from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from tidegate.worker.models.loaders.loader import load_model  # noqa: E402
 from tidegate.worker.parallel.layout import ParallelLayout  # noqa: E402
 from tidegate.worker.parallel.parallel_engine import start_parallel_engine  # noqa: E402
-
-from tidegate.protocol import SamplingParams  # noqa: E402
 
 
 def build(args: argparse.Namespace, layout: ParallelLayout) -> Engine:

@@ -39,13 +39,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
 from tidegate.benchmarks.engine.engine_cpu import mixed_workload, run_tidegate  # noqa: E402
 from tidegate.benchmarks.harness.greedy import PROMPTS, first_divergence, generate
+from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model  # noqa: E402
 from tidegate.worker.service.cpu_tuning import keep_large_allocations  # noqa: E402
-
-from tidegate.protocol import SamplingParams  # noqa: E402
 
 QUESTION = "What is the capital of France? Answer in one sentence, please."
 NEW_TOKENS = 128

@@ -18,10 +18,9 @@ import json
 import time
 from pathlib import Path
 
+from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from tidegate.worker.models.loaders.loader import load_model  # noqa: E402
-
-from tidegate.protocol import SamplingParams  # noqa: E402
 
 TEXTS = [
     "The committee approved the new budget for the harbour bridge, which will be repainted in "

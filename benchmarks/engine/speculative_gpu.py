@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 
 import torch  # noqa: E402
+
+from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from tidegate.worker.engine.sequence import Sequence  # noqa: E402
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model  # noqa: E402
 from tidegate.worker.speculative.speculation_governor import SpeculationGovernor  # noqa: E402
-
-from tidegate.protocol import SamplingParams  # noqa: E402
 
 # Where the run is (set once by main): the device, the weights' dtype, the prompts' largest id.
 DEVICE: dict[str, object] = {"name": "cuda", "dtype": torch.bfloat16, "vocab": 30000}

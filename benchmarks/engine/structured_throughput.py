@@ -57,11 +57,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 from tidegate.benchmarks.harness.json_check import check_outputs, formats_from_file  # noqa: E402
-from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
-
 from tidegate.model_files.model_source import resolve_model  # noqa: E402
 from tidegate.model_files.tokenizer import load_tokenizer  # noqa: E402
 from tidegate.protocol import SamplingParams  # noqa: E402
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 
 # Four strings without maxLength (a random model keeps writing the first one), an integer and
 # an array, all required: the grammar's states are those of real extraction schemas.
@@ -88,8 +87,9 @@ def tokenizer_files(spec: str, out: Path) -> int:
     """Write the tokenizer of ``spec`` into the model directory ``out``; returns its vocabulary.
     ``spec``: a model spec (``smollm2``, a model directory) or a directory of tokenizer files
     alone (what ``Tokenizer.save`` writes: tokenizer.json, tokenizer_config.json, ...)."""
-    from tidegate.worker.quantization.checkpoint_writer import TOKENIZER_FILES
     from tokenizers import Tokenizer as Backend
+
+    from tidegate.worker.quantization.checkpoint_writer import TOKENIZER_FILES
 
     path = Path(spec)
     if path.is_dir() and not (path / "config.json").is_file():
@@ -110,6 +110,7 @@ def write_model(out: Path, preset: str, tokenizer_spec: str, *, vocab_size: int 
     (``init_random_weights``, one safetensors shard per layer) and the tokenizer's files.
     Kept as it is when a finished one with the same arguments is there already."""
     from safetensors.torch import save_file
+
     from tidegate.worker.models.decoder import hf_tensor_sources
     from tidegate.worker.models.loaders.loader import empty_model
     from tidegate.worker.models.loaders.random_weights import (

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import redis
+
+from tidegate import keys
 from tidegate.benchmarks.harness.loadgen import (
     ClientPlan,
     Endpoints,
@@ -37,8 +39,6 @@ from tidegate.benchmarks.harness.metrics import (
     stack_shares,
 )
 from tidegate.benchmarks.harness.workload import WORDS
-
-from tidegate import keys
 from tidegate.events.event_log import EVENT_FIELD
 from tidegate.http.auth import ANONYMOUS, new_stream_token, tenant_of, token_hash
 from tidegate.protocol import (

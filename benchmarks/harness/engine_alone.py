@@ -28,14 +28,14 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from tidegate.benchmarks.harness.metrics import Dist
+from tidegate.protocol import SamplingParams, now_ms
+from tidegate.settings import load_settings
 from tidegate.worker.engine.engine import Engine, EngineRequest
 from tidegate.worker.service.service import build_engine
 from tidegate.worker.shedding.calibration import calibrate
 from tidegate.worker.shedding.load_shedder import LoadShedder, ShedderConfig
-
-from tidegate.protocol import SamplingParams, now_ms
-from tidegate.settings import load_settings
 
 
 def params_of(n: int, formats: list[dict[str, Any] | None] | None, i: int) -> SamplingParams:

@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlencode
 
-from tidegate.benchmarks.harness.http import HttpError, sse_events
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from tidegate.benchmarks.harness.http import HttpError, sse_events
 
 FINAL_TYPES = frozenset({"done", "error", "rejected"})
 # Close codes after which a client resumes (README: 1001/1012 restart, 1013 lagging or Redis).

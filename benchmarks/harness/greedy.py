@@ -3,10 +3,9 @@ part: how the benchmarks and the tests compare weight formats token for token.""
 
 from __future__ import annotations
 
+from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
 from tidegate.worker.models.loaders.loader import LoadedModel
-
-from tidegate.protocol import SamplingParams
 
 PROMPTS = [
     "What is the capital of France?",

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from tidegate.benchmarks.harness.loadgen import JobRecord, LoadResult
 
 MAX_EXAMPLES = 5

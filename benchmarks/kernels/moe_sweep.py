@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import torch
+
 from tidegate.kernels.gpu.moe_triton import MoeTiles, default_tiles, moe_triton  # noqa: E402
 
 # name -> (experts, top_k, hidden, intermediate)

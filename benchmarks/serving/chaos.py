@@ -55,13 +55,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 import redis  # noqa: E402
+
+from tidegate import keys  # noqa: E402
 from tidegate.benchmarks.harness.chaos_monkey import ChaosMonkey, ChaosPlan  # noqa: E402
 from tidegate.benchmarks.harness.chaos_stack import ChaosStack  # noqa: E402
 from tidegate.benchmarks.harness.patient_client import GaveUp, PatientClient  # noqa: E402
 from tidegate.benchmarks.harness.stack import StackConfig  # noqa: E402
 from tidegate.benchmarks.harness.stream_check import StreamCheck  # noqa: E402
-
-from tidegate import keys  # noqa: E402
 from tidegate.events.event_log import EVENT_FIELD  # noqa: E402
 
 WORDS = ("tide", "gate", "river", "stone", "lamp", "owl", "cedar", "north", "salt", "copper")

@@ -31,12 +31,12 @@ from pathlib import Path
 
 import redis as redis_sync
 from prometheus_client.parser import text_string_to_metric_families
-from tidegate.benchmarks.harness.stack import Stack, StackConfig  # noqa: E402
-from tidegate.producer.client import Client  # noqa: E402
 
 from tidegate import keys  # noqa: E402
+from tidegate.benchmarks.harness.stack import Stack, StackConfig  # noqa: E402
 from tidegate.model_files.model_source import resolve_model  # noqa: E402
 from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
+from tidegate.producer.client import Client  # noqa: E402
 from tidegate.routing.prefix_hashes import prompt_block_hashes  # noqa: E402
 
 WORDS = ("harbour bridge council river market garden engine library winter summer letter "

@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
+
 from tidegate.producer.submit.rate_limit import RateLimiter, TenantLimits
 
 

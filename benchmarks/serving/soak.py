@@ -36,12 +36,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 import redis  # noqa: E402
+
+from tidegate import keys  # noqa: E402
 from tidegate.benchmarks.harness import footprint  # noqa: E402
 from tidegate.benchmarks.harness.follow import Trace, follow_ws  # noqa: E402
 from tidegate.benchmarks.harness.http import HttpError, Pool  # noqa: E402
 from tidegate.benchmarks.harness.stack import Stack, StackConfig  # noqa: E402
-
-from tidegate import keys  # noqa: E402
 
 WORDS = ("tide", "gate", "harbor", "swell", "current", "ebb", "flow", "moon", "shore", "reef")
 

@@ -19,6 +19,7 @@ import ctypes
 from dataclasses import dataclass
 
 import torch
+
 from tidegate.kernels.cpu.native_cpu import NativeCpuKernels
 from tidegate.kernels.cpu.paged_attention import PagedLayer, kv_int8
 from tidegate.kernels.weights.int_weight import IntWeight

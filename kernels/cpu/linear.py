@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from tidegate.kernels.cpu.native_cpu import native_kernels
 from tidegate.kernels.reference.activation import silu_and_mul_ref
 from tidegate.kernels.reference.q8_activations import dequantize_rows_q8_ref

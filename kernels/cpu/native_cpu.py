@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 
 import torch
+
 from tidegate.kernels.dispatch import kernel_mode
 from tidegate.kernels.weights.fp8_weight import Fp8Weight
 from tidegate.kernels.weights.int_weight import IntWeight

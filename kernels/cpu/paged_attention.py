@@ -18,6 +18,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 import torch.nn.functional as F
+
 from tidegate.kernels.cpu.native_cpu import native_decode_applies, native_kernels
 
 

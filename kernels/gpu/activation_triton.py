@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from tidegate.kernels.gpu.fp8_linear_triton import _INTERPRET, FP8_DTYPE, Fp8Rows, _store_row_e4m3
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from tidegate.kernels.gpu.linear_triton import SUPPORTED_DTYPES, _grouped_tile, _store_rows
 from tidegate.kernels.reference.activation import silu_and_mul_ref
 from tidegate.kernels.weights.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Weight

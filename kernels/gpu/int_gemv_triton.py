@@ -36,9 +36,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from tidegate.kernels.gpu.linear_triton import _num_sms, _store_rows, pdl_supported
 from tidegate.kernels.weights.int_weight import IntWeight
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 2
 RUN = 32  # columns per activation scale

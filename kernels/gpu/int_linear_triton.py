@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from tidegate.kernels.gpu.int_gemv_triton import IntGemvConfig, _load_x, int_gemv_triton
 from tidegate.kernels.gpu.int_gemv_triton import applies as gemv_applies
 from tidegate.kernels.gpu.linear_triton import SUPPORTED_DTYPES, _grouped_tile, _store_rows

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from tidegate.kernels.gpu.moe_triton import ExpertLayout, expert_layout
 from tidegate.kernels.reference.lora import NO_ADAPTER, LoraRows, LoraStack, Norm, check_lora
 

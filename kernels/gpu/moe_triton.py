@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from tidegate.kernels.reference.moe import check_moe, route
 
 

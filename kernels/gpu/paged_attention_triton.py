@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from tidegate.kernels.cpu.paged_attention import (
     PagedAttentionMetadata,
     check_cache_layout,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from tidegate.kernels.gpu.kv_store_triton import check_store_args, saturate_e4m3
 
 

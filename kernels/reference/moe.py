@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from tidegate.kernels.reference.activation import gelu_and_mul_ref, silu_and_mul_ref
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+
 from tidegate.kernels.reference.q8_activations import check_activations
 
 BITS = (4, 8)

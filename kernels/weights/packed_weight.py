@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
+
 from tidegate.kernels.reference.q8_activations import check_activations
 
 # The types the packed kernels compute (kernels/cpu/csrc/packed_linear_cpu.c), by GGML type id.

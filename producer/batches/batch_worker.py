@@ -22,11 +22,11 @@ import redis.asyncio as aioredis
 from arq import worker as arq_worker_module
 from arq.connections import ArqRedis, RedisSettings
 from arq.worker import Worker, func
-from tidegate.producer.batches.batch import LINE_CHUNK, error_line, line_job_id, line_request
 
 from tidegate import keys
 from tidegate.jobstore import enqueue
 from tidegate.model_files.model_catalog import LoraMismatch, ModelCatalog, ModelNotFound
+from tidegate.producer.batches.batch import LINE_CHUNK, error_line, line_job_id, line_request
 from tidegate.protocol import now_ms
 from tidegate.redis_conn import cluster_nodes, connect, connect_sync, is_cluster_url
 

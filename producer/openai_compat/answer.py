@@ -25,6 +25,11 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from starlette.types import Receive, Scope, Send
+
+from tidegate.cancelling import cancel_and_wait
+from tidegate.events.event_feed import FeedEvent
+from tidegate.events.event_hub import EventHub, Lagging
+from tidegate.jobstore import request_cancel
 from tidegate.producer.openai_compat.errors import OpenAIError, from_error_event, from_rejected
 from tidegate.producer.openai_compat.format import (
     FINISH_REASONS,
@@ -34,11 +39,6 @@ from tidegate.producer.openai_compat.format import (
     TokenLogprob,
     TokenSpeller,
 )
-
-from tidegate.cancelling import cancel_and_wait
-from tidegate.events.event_feed import FeedEvent
-from tidegate.events.event_hub import EventHub, Lagging
-from tidegate.jobstore import request_cancel
 from tidegate.structured.tool_calls import ToolFormat
 
 log = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from starlette.responses import JSONResponse
+
 from tidegate.producer.errors import FieldError
 
 # OpenAI's error ``type`` for each status it uses.

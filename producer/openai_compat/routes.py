@@ -23,6 +23,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
+
+from tidegate import adapter_registry
+from tidegate.http.auth import AuthError
+from tidegate.model_files.served_model import ServedModel
+from tidegate.operations.queue_stats import worker_stats
 from tidegate.producer.openai_compat.answer import Answer
 from tidegate.producer.openai_compat.errors import OpenAIError, from_refusal, model_not_found
 from tidegate.producer.openai_compat.format import ChatShape, CompletionShape, Shape, TokenSpeller
@@ -36,11 +41,6 @@ from tidegate.producer.submit.rate_limit import with_headers
 from tidegate.producer.submit.refusal import Refusal
 from tidegate.producer.submit.request_body import read_json
 from tidegate.producer.submit.submit_path import SubmitPath
-
-from tidegate import adapter_registry
-from tidegate.http.auth import AuthError
-from tidegate.model_files.served_model import ServedModel
-from tidegate.operations.queue_stats import worker_stats
 from tidegate.protocol import Job
 
 OWNED_BY = "tidegate"

@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
 from tidegate.producer.errors import FieldError, field_errors
 from tidegate.producer.openai_compat.errors import OpenAIError, from_fields, invalid, unsupported
-
 from tidegate.protocol import JobRequest, Tool, ToolCall, ToolChoice
 from tidegate.structured.grammar import GrammarError, check_format
 from tidegate.structured.response_format import ResponseFormat

@@ -16,9 +16,9 @@ import redis.asyncio as aioredis
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
-from tidegate.producer.submit.prefix_router import SHARED, PrefixRouter, Route
 
 from tidegate.cancelling import cancel_and_wait
+from tidegate.producer.submit.prefix_router import SHARED, PrefixRouter, Route
 from tidegate.routing.cache_announcement import ROUTE_REFRESH_S
 from tidegate.routing.prefix_hashes import adapter_salt
 

@@ -29,12 +29,12 @@ from typing import Any, Protocol
 from prometheus_client.core import CounterMetricFamily, Metric
 from redis.exceptions import NoScriptError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from tidegate.producer.errors import FieldError
-from tidegate.producer.submit.refusal import Refusal
 
 from tidegate import keys
 from tidegate.http.auth import Auth
 from tidegate.http.key_file import UNLIMITED, KeyLimits
+from tidegate.producer.errors import FieldError
+from tidegate.producer.submit.refusal import Refusal
 from tidegate.settings import Settings
 
 # KEYS[1]: the tenant's buckets (tidegate.keys.rate_limit), fields r/r_ms (requests: level, when

@@ -9,11 +9,11 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 from starlette.responses import JSONResponse, Response
+
+from tidegate.http.auth import AuthError
 from tidegate.producer.errors import FieldError, error_body, field_errors
 from tidegate.producer.submit.backlog import LaneFull
 from tidegate.producer.submit.idempotency import ClaimInProgress
-
-from tidegate.http.auth import AuthError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.requests import Request
-from tidegate.producer.errors import FieldError
-from tidegate.producer.submit.refusal import Refusal
 
 from tidegate import untrusted_json
+from tidegate.producer.errors import FieldError
+from tidegate.producer.submit.refusal import Refusal
 
 # Far above any admissible prompt (1M characters, escaped); refused before it is buffered.
 MAX_BODY_BYTES = 16 * 1024 * 1024

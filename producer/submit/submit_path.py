@@ -21,15 +21,6 @@ from typing import Any
 import anyio.to_thread
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
-from tidegate.producer.errors import FieldError
-from tidegate.producer.submit import idempotency
-from tidegate.producer.submit.admission import Admission, AdmissionError
-from tidegate.producer.submit.backlog import LaneBacklog
-from tidegate.producer.submit.batched import Batched
-from tidegate.producer.submit.idempotency import Claim, ClaimInProgress
-from tidegate.producer.submit.prefix_routing import PrefixRouting
-from tidegate.producer.submit.rate_limit import RateLimiter
-from tidegate.producer.submit.refusal import Refusal, validated
 
 from tidegate import keys
 from tidegate.adapter_registry import AdapterRegistry
@@ -43,6 +34,15 @@ from tidegate.model_files.model_catalog import (
     ModelNotFound,
 )
 from tidegate.model_files.served_model import served_models
+from tidegate.producer.errors import FieldError
+from tidegate.producer.submit import idempotency
+from tidegate.producer.submit.admission import Admission, AdmissionError
+from tidegate.producer.submit.backlog import LaneBacklog
+from tidegate.producer.submit.batched import Batched
+from tidegate.producer.submit.idempotency import Claim, ClaimInProgress
+from tidegate.producer.submit.prefix_routing import PrefixRouting
+from tidegate.producer.submit.rate_limit import RateLimiter
+from tidegate.producer.submit.refusal import Refusal, validated
 from tidegate.protocol import Job, JobRequest
 from tidegate.redis_conn import connect
 from tidegate.settings import Settings

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
+
 from tidegate.benchmarks.harness.patient_client import sse_data
 
 

@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+
 from tidegate.benchmarks.harness.follow import Trace
 from tidegate.benchmarks.harness.loadgen import JobRecord
 from tidegate.benchmarks.harness.metrics import Slo, exactness_problem
@@ -15,7 +16,6 @@ from tidegate.benchmarks.harness.workload import (
     exact_prompt,
     poisson_offsets,
 )
-
 from tidegate.model_files.model_source import resolve_model
 from tidegate.model_files.tokenizer import load_tokenizer
 

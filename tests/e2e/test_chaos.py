@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from tidegate.benchmarks.harness.chaos_monkey import ChaosPlan
 from tidegate.benchmarks.serving.chaos import ChaosConfig, headline, run_chaos
 

@@ -28,12 +28,12 @@ from pathlib import Path
 import pytest
 import redis
 from redis.cluster import key_slot
-from tidegate.producer.client import Client, ServiceUnavailable
 
 from tests.conftest import free_port
 from tests.redis_cluster import ClusterServers
 from tests.stack_process import TIDEGATE, heartbeat_of, stop, wait_until
 from tidegate import keys
+from tidegate.producer.client import Client, ServiceUnavailable
 from tidegate.redis_conn import connect_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

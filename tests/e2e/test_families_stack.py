@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tidegate.producer.client import Client
 
 from tests.conftest import RedisServer
 from tests.stack_process import tidegate_up
 from tests.worker.hf_oracle import hf_greedy
 from tests.worker.models.family_checkpoints import write_family, write_family_gguf
+from tidegate.producer.client import Client
 
 pytestmark = pytest.mark.slow
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import RedisServer
 from tidegate.benchmarks.serving.fuzz import Budget, run
 from tidegate.benchmarks.serving.fuzzing.stack import tidegate_up
 from tidegate.benchmarks.serving.fuzzing.tally import Tally, log_problems
-
-from tests.conftest import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from tidegate.benchmarks.serving.prefix_routing import workload
 
 from tests.conftest import RedisServer
 from tests.e2e.test_prefix_routing_stack import (
@@ -18,6 +17,7 @@ from tests.e2e.test_prefix_routing_stack import (
     run_jobs,
     running_fleet,
 )
+from tidegate.benchmarks.serving.prefix_routing import workload
 from tidegate.model_files.model_source import resolve_model
 from tidegate.model_files.tokenizer import load_tokenizer
 

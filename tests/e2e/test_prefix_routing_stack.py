@@ -23,12 +23,12 @@ import httpx
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from tidegate.benchmarks.serving.prefix_routing import drive, ideal_hit_rate, workload
 
 from tests.conftest import RedisServer, free_port
 from tests.e2e.test_speculative_stack import Proc, ready, start
 from tests.stack_process import heartbeat_of, stop, wait_until
 from tidegate import keys
+from tidegate.benchmarks.serving.prefix_routing import drive, ideal_hit_rate, workload
 from tidegate.model_files.model_source import resolve_model
 from tidegate.model_files.tokenizer import load_tokenizer
 

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import websockets
-from tidegate.producer.client import Client
 
 from tests.conftest import RedisServer
 from tests.redis_cluster import ClusterServers
 from tests.stack_process import TIDEGATE, cli, run_batch, tidegate_up
 from tidegate.operations.queue_stats import ROUTED
+from tidegate.producer.client import Client
 
 pytestmark = pytest.mark.slow
 

@@ -23,10 +23,10 @@ import jsonschema
 import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
-from tidegate.producer.client import Client
 
 from tests.conftest import RedisServer
 from tests.stack_process import run_batch, tidegate_up
+from tidegate.producer.client import Client
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -13,6 +13,8 @@ import random
 
 import pytest
 import torch
+
+from tests.gpu.conftest import BF16_REL_ERR, rel_err
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.paged_attention import PagedAttentionMetadata, paged_attention_ref
 from tidegate.kernels.gpu.paged_attention_triton import (
@@ -20,8 +22,6 @@ from tidegate.kernels.gpu.paged_attention_triton import (
     paged_attention_triton,
     paged_decode_attention_triton,
 )
-
-from tests.gpu.conftest import BF16_REL_ERR, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

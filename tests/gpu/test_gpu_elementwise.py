@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.gpu.conftest import BF16_REL_ERR, rel_err
 from tidegate.kernels.cpu.paged_attention import store_kv_ref
 from tidegate.kernels.gpu.activation_triton import silu_and_mul_triton
 from tidegate.kernels.gpu.kv_store_triton import store_kv_triton
@@ -18,8 +20,6 @@ from tidegate.kernels.gpu.rotary_triton import rotary_triton
 from tidegate.kernels.reference.activation import silu_and_mul_ref
 from tidegate.kernels.reference.rmsnorm import rms_norm_ref
 from tidegate.kernels.reference.rotary import cos_sin_cache, rotary_ref
-
-from tests.gpu.conftest import BF16_REL_ERR, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
-from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 
 from tidegate.model_files.model_source import ModelLoadError, resolve_model
 from tidegate.protocol import SamplingParams
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

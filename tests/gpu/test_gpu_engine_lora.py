@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tidegate.worker.engine.engine import Engine, EngineConfig
-from tidegate.worker.models.loaders.loader import load_model
 
 from tests.worker.engine.test_engine_lora import ADAPTERS, NEW_TOKENS, checkpoints, greedy
+from tidegate.worker.engine.engine import Engine, EngineConfig
+from tidegate.worker.models.loaders.loader import load_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

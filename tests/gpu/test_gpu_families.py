@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from tidegate.kernels.gpu.moe_triton import moe_triton
-from tidegate.kernels.reference.moe import moe_ref
-from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
-from tidegate.worker.models.loaders.loader import load_model
 
 from tests.gpu.conftest import rel_err
 from tests.worker.hf_oracle import causal_logits
 from tests.worker.models.family_checkpoints import FAMILIES, write_family
+from tidegate.kernels.gpu.moe_triton import moe_triton
+from tidegate.kernels.reference.moe import moe_ref
 from tidegate.protocol import SamplingParams
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
+from tidegate.worker.models.loaders.loader import load_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

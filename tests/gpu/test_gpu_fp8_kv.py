@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.gpu.conftest import BF16_REL_ERR, rel_err
+from tests.gpu.test_gpu_attention import BLOCK_SIZE, HK, D, decode_contexts, paged_step, reference
 from tidegate.kernels.gpu.kv_store_triton import store_kv_triton
 from tidegate.kernels.gpu.paged_attention_triton import (
     default_num_splits,
@@ -18,12 +21,9 @@ from tidegate.kernels.gpu.paged_attention_triton import (
 )
 from tidegate.kernels.gpu.rotary_triton import rotary_store_kv_triton
 from tidegate.kernels.reference.rotary import cos_sin_cache, rotary_ref
+from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
 from tidegate.worker.models.loaders.loader import load_model
-
-from tests.gpu.conftest import BF16_REL_ERR, rel_err
-from tests.gpu.test_gpu_attention import BLOCK_SIZE, HK, D, decode_contexts, paged_step, reference
-from tidegate.protocol import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.gpu.conftest import BF16_REL_ERR, rel_err
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.linear import linear_ref, norm_linear_ref
 from tidegate.kernels.gpu.fp8_linear_triton import (
@@ -22,8 +24,6 @@ from tidegate.kernels.gpu.fp8_linear_triton import (
     w8a8_linear_ref,
 )
 from tidegate.kernels.weights.fp8_weight import Fp8Weight
-
-from tests.gpu.conftest import BF16_REL_ERR, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

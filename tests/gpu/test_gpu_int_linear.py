@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.gpu.conftest import BF16_REL_ERR, rel_err
 from tidegate.kernels.cpu.linear import linear_ref, norm_linear_ref
 from tidegate.kernels.gpu.int_linear_triton import int_linear_triton
 from tidegate.kernels.weights.int_weight import IntWeight
-
-from tests.gpu.conftest import BF16_REL_ERR, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

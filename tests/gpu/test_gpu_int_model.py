@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.gpu.conftest import rel_err
 from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
 from tidegate.worker.models.decoder import CausalAttention
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 from tidegate.worker.quantization.online import quantize_loaded
-
-from tests.gpu.conftest import rel_err
-from tidegate.protocol import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tidegate.kernels.cpu.linear import linear_ref, norm_linear_ref
-from tidegate.kernels.gpu.linear_triton import pdl_supported, skinny_linear_triton
 
 from tests.gpu.conftest import BF16_REL_ERR, rel_err
+from tidegate.kernels.cpu.linear import linear_ref, norm_linear_ref
+from tidegate.kernels.gpu.linear_triton import pdl_supported, skinny_linear_triton
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.gpu.conftest import BF16_REL_ERR, rel_err
 from tidegate.kernels.gpu.lora_triton import add_lora_triton
 from tidegate.kernels.ops import lora_rows
 from tidegate.kernels.reference.lora import NO_ADAPTER, LoraStack, Norm, add_lora_ref
-
-from tests.gpu.conftest import BF16_REL_ERR, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

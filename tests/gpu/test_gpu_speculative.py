@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
-from tidegate.worker.models.loaders.loader import LoadedModel
 
 from tests.gpu.test_gpu_engine import PROMPTS, default_model
 from tests.worker.speculative.test_speculative_engine import Alternating
 from tidegate.protocol import SamplingParams
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
+from tidegate.worker.models.loaders.loader import LoadedModel
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.worker.engine.test_engine_structured import FORMATS, conforms
+from tests.worker.engine.test_sampler import row
 from tidegate.kernels import ops
 from tidegate.kernels.gpu.token_bitmask_triton import apply_token_bitmask_triton
 from tidegate.kernels.reference.token_bitmask import apply_token_bitmask_ref
+from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from tidegate.worker.engine.grammar_masks import TokenMask
 from tidegate.worker.engine.sampler import Sampler
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model
-
-from tests.worker.engine.test_engine_structured import FORMATS, conforms
-from tests.worker.engine.test_sampler import row
-from tidegate.protocol import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

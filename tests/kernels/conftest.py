@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tidegate.kernels.cpu.native_cpu import NativeCpuKernels, native_kernels
 
 

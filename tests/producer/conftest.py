@@ -8,14 +8,14 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from starlette.applications import Starlette
-from tidegate.producer.api import ProducerAPI, create_app
-from tidegate.producer.submit.admission import Admission
-from tidegate.streaming.gateway import Gateway
 
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
 from tidegate.http.auth import Auth
+from tidegate.producer.api import ProducerAPI, create_app
+from tidegate.producer.submit.admission import Admission
 from tidegate.settings import Settings
+from tidegate.streaming.gateway import Gateway
 
 MODEL = "random:tiny"  # byte-level tokenizer, 2048-token context: long prompts are cheap to make
 SERVED = "random_tiny"  # its served name (the spec made key-safe): its lanes are named after it

@@ -9,9 +9,6 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from tidegate.producer.api import create_app
-from tidegate.producer.submit.admission import Admission
-from tidegate.producer.submit.request_body import MAX_BODY_BYTES
 
 from tests.asgi_server import serve
 from tests.conftest import free_port
@@ -19,6 +16,9 @@ from tests.producer.conftest import MODEL
 from tidegate import keys
 from tidegate.http.auth import token_hash
 from tidegate.jobstore import set_status
+from tidegate.producer.api import create_app
+from tidegate.producer.submit.admission import Admission
+from tidegate.producer.submit.request_body import MAX_BODY_BYTES
 from tidegate.protocol import MAX_TOKENS_LIMIT, Job
 from tidegate.settings import Settings
 

@@ -13,10 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from tidegate.producer import Client
-from tidegate.producer.errors import Forbidden
-from tidegate.producer.errors import Unauthorized as UnauthorizedError
-from tidegate.producer.submit.admission import Admission
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
@@ -24,6 +20,10 @@ from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tidegate import keys
 from tidegate.http.auth import Auth, Unauthorized, tenant_of, token_hash
+from tidegate.producer import Client
+from tidegate.producer.errors import Forbidden
+from tidegate.producer.errors import Unauthorized as UnauthorizedError
+from tidegate.producer.submit.admission import Admission
 from tidegate.settings import Settings
 
 pytestmark = pytest.mark.timeout(30)

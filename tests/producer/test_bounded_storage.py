@@ -11,14 +11,14 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from tidegate.producer.api import create_app
-from tidegate.producer.submit.idempotency import Claim
 
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
 from tests.producer.conftest import MODEL
 from tidegate import keys
 from tidegate.http.auth import ANONYMOUS
+from tidegate.producer.api import create_app
+from tidegate.producer.submit.idempotency import Claim
 from tidegate.protocol import Job
 from tidegate.settings import Settings
 

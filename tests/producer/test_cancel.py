@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from tidegate.producer import Client, SyncClient
-from tidegate.producer.errors import Conflict, JobNotFound
 
 from tidegate import keys
 from tidegate.jobstore import set_status
+from tidegate.producer import Client, SyncClient
+from tidegate.producer.errors import Conflict, JobNotFound
 
 pytestmark = pytest.mark.timeout(30)
 

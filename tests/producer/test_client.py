@@ -14,14 +14,14 @@ import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
-from tidegate.producer import Client, SyncClient
-from tidegate.producer.errors import InvalidRequest, JobNotFound, ServiceUnavailable
 
 from tests.asgi_server import serve
 from tests.conftest import free_port
 from tidegate import keys
 from tidegate.events.event_log import add_event
 from tidegate.jobstore import JOB_FIELD, set_status
+from tidegate.producer import Client, SyncClient
+from tidegate.producer.errors import InvalidRequest, JobNotFound, ServiceUnavailable
 from tidegate.protocol import (
     DoneEvent,
     Job,

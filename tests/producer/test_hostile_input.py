@@ -15,14 +15,14 @@ import pytest
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tidegate.benchmarks.serving.fuzzing.socket_cases import json_values, request_bodies
-from tidegate.producer.api import create_app
-from tidegate.producer.submit.admission import Admission
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from tests.asgi_server import server_errors
 from tests.producer.conftest import MODEL
+from tidegate.benchmarks.serving.fuzzing.socket_cases import json_values, request_bodies
+from tidegate.producer.api import create_app
+from tidegate.producer.submit.admission import Admission
 from tidegate.settings import Settings
 
 pytestmark = pytest.mark.timeout(30)

@@ -11,14 +11,14 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from tidegate.producer.api import create_app
-from tidegate.producer.submit.admission import Admission
 
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
 from tidegate import adapter_registry, keys
 from tidegate.adapter_registry import AdapterAnnouncement
 from tidegate.jobstore import JOB_FIELD
+from tidegate.producer.api import create_app
+from tidegate.producer.submit.admission import Admission
 from tidegate.protocol import Job
 from tidegate.settings import Settings
 

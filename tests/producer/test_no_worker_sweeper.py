@@ -8,11 +8,11 @@ import asyncio
 import json
 
 import redis.asyncio as aioredis
-from tidegate.producer.no_worker_sweeper import NoWorkerSweeper
 
 from tidegate import keys
 from tidegate.events.event_feed import stored_events
 from tidegate.jobstore import enqueue, read_result
+from tidegate.producer.no_worker_sweeper import NoWorkerSweeper
 from tidegate.protocol import JobRequest, RejectedEvent, now_ms
 
 

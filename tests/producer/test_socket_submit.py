@@ -10,7 +10,6 @@ import json
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from tidegate.producer.submit.admission import Admission
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
@@ -18,6 +17,7 @@ from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tests.streaming.test_gateway import job_events, publish
 from tidegate import keys
+from tidegate.producer.submit.admission import Admission
 from tidegate.protocol import Job
 
 pytestmark = pytest.mark.timeout(30)

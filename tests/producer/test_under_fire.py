@@ -10,7 +10,6 @@ from collections.abc import Iterator
 
 import pytest
 import redis.asyncio as aioredis
-from tidegate.producer.submit.admission import Admission
 from websockets.asyncio.client import connect as ws_connect
 
 from tests.conftest import RedisServer
@@ -18,6 +17,7 @@ from tests.producer.conftest import serve_stack
 from tests.producer.openai_compat.test_openai_api import ScriptedWorker
 from tests.producer.test_socket_submit import frames_until_close
 from tidegate import keys
+from tidegate.producer.submit.admission import Admission
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -17,7 +17,6 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
-from tidegate.streaming.gateway import create_app
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
@@ -36,6 +35,7 @@ from tidegate import keys
 from tidegate.jobstore import enqueue
 from tidegate.protocol import JobRequest, TokenEvent
 from tidegate.settings import Settings
+from tidegate.streaming.gateway import create_app
 
 pytestmark = pytest.mark.timeout(120)
 

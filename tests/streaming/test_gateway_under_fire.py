@@ -12,7 +12,6 @@ from collections.abc import Iterator
 
 import pytest
 import redis.asyncio as aioredis
-from tidegate.streaming.gateway import create_app
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
@@ -33,6 +32,7 @@ from tidegate.events.event_log import add_event
 from tidegate.jobstore import enqueue
 from tidegate.protocol import JobRequest
 from tidegate.settings import Settings
+from tidegate.streaming.gateway import create_app
 
 pytestmark = pytest.mark.timeout(60)
 

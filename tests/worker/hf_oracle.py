@@ -13,11 +13,11 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import torch
-from tidegate.worker.models.decoder import CausalAttention, DecoderModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from tidegate.model_files.model_source import resolve_model
+from tidegate.worker.models.decoder import CausalAttention, DecoderModel
 
 CHAT_PROMPTS = (
     "What is the capital of France?",

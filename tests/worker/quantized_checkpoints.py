@@ -26,13 +26,13 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tidegate.kernels.weights.int_weight import IntWeight
-from tidegate.worker.models.loaders.loader import LoadedModel, load_model
-from tidegate.worker.models.loaders.quantized.quantized_safetensors import QuantizedSafetensors
 from transformers import LlamaForCausalLM
 
 from tests.worker.tiny_checkpoints import tiny_hf_model, write_hf_dir
+from tidegate.kernels.weights.int_weight import IntWeight
 from tidegate.model_files.model_source import ModelLoadError
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
+from tidegate.worker.models.loaders.quantized.quantized_safetensors import QuantizedSafetensors
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: field i <- column 8c + AWQ_ORDER[i]
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.paged_attention import padded_tables
 from tidegate.kernels.gpu.paged_attention_triton import default_num_splits

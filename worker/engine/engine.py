@@ -22,7 +22,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
+
 from tidegate.kernels.reference.lora import MAX_RANK
+from tidegate.model_files.tokenizer import Tokenizer
+from tidegate.protocol import FinishReason, SamplingParams
+from tidegate.structured.grammar import GrammarError, grammar_of
 from tidegate.worker.engine.block_manager import BlockManager
 from tidegate.worker.engine.detokenizer import IncrementalDetokenizer
 from tidegate.worker.engine.grammar_masks import GrammarMasks, GrammarUnavailable, TokenMask
@@ -51,10 +55,6 @@ from tidegate.worker.speculative.draft_model_speculator import DraftModelSpecula
 from tidegate.worker.speculative.draft_verifier import DraftVerifier
 from tidegate.worker.speculative.ngram_speculator import NgramSpeculator
 from tidegate.worker.speculative.speculation_governor import SpeculationGovernor
-
-from tidegate.model_files.tokenizer import Tokenizer
-from tidegate.protocol import FinishReason, SamplingParams
-from tidegate.structured.grammar import GrammarError, grammar_of
 
 log = logging.getLogger("tidegate.engine")
 

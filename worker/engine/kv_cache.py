@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from tidegate.kernels.cpu.native_cpu import native_kernels
 from tidegate.kernels.dispatch import kernel_mode
 from tidegate.worker.models.config import ModelConfig

@@ -14,11 +14,10 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from tidegate.model_files.model_source import ModelLoadError
 from tidegate.worker.engine.adapter_slots import AdapterSlots
 from tidegate.worker.models.loaders.lora_adapter import load_lora_adapter
 from tidegate.worker.models.lora_weights import AdapterMismatch, LoraWeights, StagedAdapter
-
-from tidegate.model_files.model_source import ModelLoadError
 
 log = logging.getLogger("tidegate.engine")
 

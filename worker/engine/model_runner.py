@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.native_cpu import native_kernels
 from tidegate.kernels.cpu.paged_attention import PagedAttentionMetadata, PagedLayer, upload

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.paged_attention import upload
-from tidegate.worker.engine.grammar_masks import TokenMask
-
 from tidegate.protocol import SamplingParams
+from tidegate.worker.engine.grammar_masks import TokenMask
 
 # Logprobs are clamped to this floor (as vLLM does) so -inf never reaches JSON.
 LOGPROB_FLOOR = -9999.0

@@ -18,10 +18,9 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tidegate.routing.prefix_hashes import block_hash, prompt_block_hashes
 from tidegate.worker.engine.block_manager import BlockManager
 from tidegate.worker.engine.sequence import SeqStatus, Sequence
-
-from tidegate.routing.prefix_hashes import block_hash, prompt_block_hashes
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,10 +6,9 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from tidegate.worker.engine.detokenizer import IncrementalDetokenizer
-
 from tidegate.protocol import FinishReason, SamplingParams
 from tidegate.routing.prefix_hashes import adapter_salt
+from tidegate.worker.engine.detokenizer import IncrementalDetokenizer
 
 LANE_RANK = {"interactive": 0, "batch": 1}
 

@@ -31,6 +31,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.decoder_layer import DecoderWeights
 from tidegate.kernels.cpu.paged_attention import PagedLayer
@@ -42,7 +44,6 @@ from tidegate.kernels.weights.packed_weight import PackedWeight
 from tidegate.worker.models.config import ModelConfig
 from tidegate.worker.models.lora_weights import LayerLora, LoraBatch
 from tidegate.worker.models.packed_modules import PackedEmbedding, PackedLinear, PackedMatrix
-from torch import nn
 
 
 @dataclass(frozen=True, slots=True)

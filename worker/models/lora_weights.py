@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from tidegate.kernels.reference.lora import LoraRows, LoraStack
 from tidegate.worker.models.config import ModelConfig
 from tidegate.worker.models.loaders.lora_adapter import LoraAdapter

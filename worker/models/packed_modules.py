@@ -13,11 +13,12 @@ moved by ``Module.to``. ``use_activations`` sets what the CPU multiplies them wi
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from tidegate.kernels import ops
 from tidegate.kernels.weights.fp8_weight import Fp8Weight
 from tidegate.kernels.weights.int_weight import IntWeight
 from tidegate.kernels.weights.packed_weight import PackedWeight
-from torch import nn
 
 # Every matrix a PackedLinear may hold.
 PackedMatrix = PackedWeight | IntWeight | Fp8Weight

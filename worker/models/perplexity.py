@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
 from tidegate.worker.models.decoder import CausalAttention, DecoderModel
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import torch
+
 from tidegate.worker.engine.model_runner import ModelRunner, StepLogits
 from tidegate.worker.engine.sampler import SamplerLaunch
 from tidegate.worker.parallel.model_group import ModelGroup

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from tidegate.worker.engine.sampler import SamplerOutput
 from tidegate.worker.parallel.layout import RankPlace
 

@@ -11,6 +11,7 @@ import logging
 
 import torch
 import torch.distributed as dist
+
 from tidegate.worker.engine.engine import Engine, EngineConfig
 from tidegate.worker.models.loaders.loader import load_model
 from tidegate.worker.parallel.layout import ParallelLayout

@@ -23,6 +23,7 @@ from multiprocessing.process import BaseProcess
 from typing import NoReturn
 
 import torch
+
 from tidegate.worker.parallel.layout import ParallelLayout
 from tidegate.worker.parallel.model_group import ModelGroup, is_peer_lost, multicast_off
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.grammar_masks import TokenMask
 from tidegate.worker.engine.sampler import is_penalised
 from tidegate.worker.engine.scheduler import SchedulerOutput
-
-from tidegate.protocol import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+
 from tidegate.worker.models.config import ModelConfig
 from tidegate.worker.models.decoder import DecoderModel, TensorSource
 from tidegate.worker.models.loaders.random_weights import INIT_STD

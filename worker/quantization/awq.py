@@ -12,6 +12,7 @@ of the rounded layer on calibration inputs.
 from __future__ import annotations
 
 import torch
+
 from tidegate.kernels.weights.int_weight import IntWeight
 
 GRID = 20  # alpha in 0, 1/20, ..., 19/20

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
+
 from tidegate.kernels.weights.fp8_weight import Fp8Weight
 from tidegate.kernels.weights.int_weight import IntWeight
 from tidegate.worker.models.config import ModelConfig

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from tidegate.kernels.weights.int_weight import IntWeight, rtn
 
 

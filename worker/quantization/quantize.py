@@ -29,9 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from tidegate.kernels import ops
 from tidegate.kernels.weights.fp8_weight import Fp8Weight
 from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.model_files.model_source import ModelLoadError, ModelSource, hf_config, resolve_model
+from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
 from tidegate.worker.models.config import ModelConfig
 from tidegate.worker.models.decoder import CausalAttention, DecoderLayer, layer_matrices
 from tidegate.worker.models.loaders.gguf_weights import GGUFWeights
@@ -40,9 +43,6 @@ from tidegate.worker.models.loaders.loader import load_model
 from tidegate.worker.quantization.awq import awq_scales
 from tidegate.worker.quantization.gptq import HessianStats, gptq_quantize
 from tidegate.worker.quantization.online import auto_group
-
-from tidegate.model_files.model_source import ModelLoadError, ModelSource, hf_config, resolve_model
-from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
 
 # method -> (bits, algorithm)
 METHODS: dict[str, tuple[int, str]] = {

@@ -20,12 +20,12 @@ from collections.abc import Coroutine, Mapping
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import RedisError
-from tidegate.worker.engine.engine import Engine
 
 from tidegate import adapter_registry, keys
 from tidegate.adapter_registry import AdapterAnnouncement
 from tidegate.cancelling import cancel_and_wait
 from tidegate.redis_conn import control_pubsub
+from tidegate.worker.engine.engine import Engine
 
 log = logging.getLogger("tidegate.worker")
 

@@ -22,12 +22,6 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
-from tidegate.worker.engine.engine import Engine
-from tidegate.worker.service.adapter_loader import AdapterLoader
-from tidegate.worker.service.intake import Delivery, StreamIntake
-from tidegate.worker.service.migration import Resume, resume_point
-from tidegate.worker.service.publisher import EventPublisher
-from tidegate.worker.shedding.load_shedder import Estimate, Load, LoadShedder
 
 from tidegate import keys
 from tidegate.events.event_feed import stored_events
@@ -35,6 +29,12 @@ from tidegate.events.event_log import last_event_id
 from tidegate.jobstore import Claim, claim_many
 from tidegate.protocol import Job, now_ms
 from tidegate.redis_conn import is_transient
+from tidegate.worker.engine.engine import Engine
+from tidegate.worker.service.adapter_loader import AdapterLoader
+from tidegate.worker.service.intake import Delivery, StreamIntake
+from tidegate.worker.service.migration import Resume, resume_point
+from tidegate.worker.service.publisher import EventPublisher
+from tidegate.worker.shedding.load_shedder import Estimate, Load, LoadShedder
 
 log = logging.getLogger("tidegate.worker")
 

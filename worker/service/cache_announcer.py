@@ -18,7 +18,6 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError, ResponseError
-from tidegate.worker.engine.engine import Engine
 
 from tidegate import keys
 from tidegate.routing.cache_announcement import (
@@ -32,6 +31,7 @@ from tidegate.routing.cache_announcement import (
     read_table,
     withdraw,
 )
+from tidegate.worker.engine.engine import Engine
 
 log = logging.getLogger("tidegate.worker")
 

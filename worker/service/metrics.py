@@ -24,6 +24,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
+
 from tidegate.worker.engine.engine import Engine
 from tidegate.worker.service.intake import StreamIntake
 

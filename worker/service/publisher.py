@@ -26,10 +26,6 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
-from tidegate.worker.engine.engine import RequestOutput
-from tidegate.worker.engine.sampler import TokenLogprobs
-from tidegate.worker.service.intake import Delivery
-from tidegate.worker.service.metrics import OUTCOMES, WorkerMetrics, outcome_of_finish
 
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
@@ -55,6 +51,10 @@ from tidegate.protocol import (
 )
 from tidegate.retention import Retention
 from tidegate.structured.tool_calls import ToolFormat, new_call_id
+from tidegate.worker.engine.engine import RequestOutput
+from tidegate.worker.engine.sampler import TokenLogprobs
+from tidegate.worker.service.intake import Delivery
+from tidegate.worker.service.metrics import OUTCOMES, WorkerMetrics, outcome_of_finish
 
 log = logging.getLogger("tidegate.worker")
 

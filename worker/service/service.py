@@ -49,6 +49,19 @@ from typing import TYPE_CHECKING
 import redis.asyncio as aioredis
 import torch
 from redis.exceptions import RedisError
+
+from tidegate import keys
+from tidegate.cancelling import cancel_and_wait
+from tidegate.model_files.model_source import ModelLoadError, resolve_model
+from tidegate.model_files.served_model import ServedModel, served_models
+from tidegate.model_files.tokenizer import load_tokenizer
+from tidegate.operations.status_server import StatusServer
+from tidegate.protocol import Job, SamplingParams, now_ms
+from tidegate.redis_conn import connect
+from tidegate.retention import Retention
+from tidegate.settings import Settings
+from tidegate.structured.response_format import GrammarFormat
+from tidegate.structured.tool_calls import forced_call_grammar
 from tidegate.worker.engine.engine import (
     Engine,
     EngineConfig,
@@ -72,19 +85,6 @@ from tidegate.worker.service.migration import job_seed
 from tidegate.worker.service.publisher import ActiveJob, EventPublisher
 from tidegate.worker.shedding.calibration import calibrate, timed_step
 from tidegate.worker.shedding.load_shedder import Commitments, Load, LoadShedder, ShedderConfig
-
-from tidegate import keys
-from tidegate.cancelling import cancel_and_wait
-from tidegate.model_files.model_source import ModelLoadError, resolve_model
-from tidegate.model_files.served_model import ServedModel, served_models
-from tidegate.model_files.tokenizer import load_tokenizer
-from tidegate.operations.status_server import StatusServer
-from tidegate.protocol import Job, SamplingParams, now_ms
-from tidegate.redis_conn import connect
-from tidegate.retention import Retention
-from tidegate.settings import Settings
-from tidegate.structured.response_format import GrammarFormat
-from tidegate.structured.tool_calls import forced_call_grammar
 
 if TYPE_CHECKING:
     from tidegate.worker.models.loaders.loader import LoadedModel

@@ -10,10 +10,9 @@ from __future__ import annotations
 import logging
 import time
 
+from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineRequest, RequestOutput
 from tidegate.worker.shedding.load_shedder import LoadShedder
-
-from tidegate.protocol import SamplingParams
 
 log = logging.getLogger("tidegate.worker")
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from tidegate.worker.engine.block_manager import BlockManager
 from tidegate.worker.engine.model_runner import ModelRunner
 from tidegate.worker.engine.sampler import row_argmax

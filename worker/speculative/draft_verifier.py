@@ -17,6 +17,7 @@ with acceptance p(d) (Leviathan et al. / Chen et al.), the best possible for suc
 from __future__ import annotations
 
 import torch
+
 from tidegate.worker.engine.sampler import (
     GREEDY_BELOW,
     Sampler,

@@ -18,6 +18,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
+
 from tidegate.benchmarks.serving.fuzzing.stack import FuzzStack
 from tidegate.benchmarks.serving.fuzzing.tally import Tally
 

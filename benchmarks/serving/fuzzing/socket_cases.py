@@ -19,10 +19,11 @@ from urllib.parse import quote, urlencode
 import httpx
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from tidegate.benchmarks.serving.fuzzing.stack import FuzzStack
-from tidegate.benchmarks.serving.fuzzing.tally import Tally
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.sync.client import connect
+
+from tidegate.benchmarks.serving.fuzzing.stack import FuzzStack
+from tidegate.benchmarks.serving.fuzzing.tally import Tally
 
 HANG_S = 30.0
 CLOSE_CODES = {1000, 1013, 4400, 4401, 4403, 4404, 4409, 4429}

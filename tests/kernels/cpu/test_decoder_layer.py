@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+
+from tests.worker.tiny_checkpoints import tiny_hf_model, write_gguf
 from tidegate.kernels import ops
 from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 from tidegate.worker.models.packed_modules import PackedLinear
-
-from tests.worker.tiny_checkpoints import tiny_hf_model, write_gguf
-from tidegate.protocol import SamplingParams
 
 T = GGMLQuantizationType
 PROMPTS = [[5, 9, 13], list(range(20, 47)), [7] * 12]

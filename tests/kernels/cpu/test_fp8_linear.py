@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.linear import fp8_linear_ref
 from tidegate.kernels.weights.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Weight

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.linear import int_linear_ref
 from tidegate.kernels.weights.int_weight import IntWeight, pack, rtn, unpack

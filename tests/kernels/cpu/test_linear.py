@@ -4,9 +4,10 @@ in float64 to float32 rounding, contiguous, at any size and row stride."""
 from __future__ import annotations
 
 import pytest
-import tidegate.kernels.cpu.native_cpu as native_cpu
 import torch
 import torch.nn.functional as F
+
+import tidegate.kernels.cpu.native_cpu as native_cpu
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.linear import NATIVE_ROWS, SKINNY_ROWS
 

@@ -8,12 +8,12 @@ import random
 from pathlib import Path
 
 import pytest
-import tidegate.kernels.cpu.native_cpu as native_cpu
 import torch
+
+import tidegate.kernels.cpu.native_cpu as native_cpu
+from tests.kernels.cpu.test_paged_attention import MIXED, assert_close, make_batch
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.paged_attention import paged_decode_attention
-
-from tests.kernels.cpu.test_paged_attention import MIXED, assert_close, make_batch
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
+
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.linear import packed_linear_ref
 from tidegate.kernels.weights.packed_weight import (

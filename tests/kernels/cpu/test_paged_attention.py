@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.paged_attention import (
     PagedAttentionMetadata,

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+
+from tests.kernels.cpu.test_packed_linear import cols_for, random_packed
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.linear import int_linear_ref, packed_linear_ref
 from tidegate.kernels.cpu.native_cpu import NativeBuildError, NativeCpuKernels, build
 from tidegate.kernels.reference.q8_activations import dequantize_rows_q8_ref, quantize_rows_q8_ref
 from tidegate.kernels.weights.int_weight import IntWeight
 from tidegate.kernels.weights.packed_weight import Q8_TYPES, PackedWeight
-
-from tests.kernels.cpu.test_packed_linear import cols_for, random_packed
 
 T = GGMLQuantizationType
 TYPES = sorted(Q8_TYPES, key=int)

@@ -16,6 +16,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from tidegate.kernels.cpu.linear import linear_ref
 from tidegate.kernels.gpu.int_gemv_triton import (
     IntGemvConfig,

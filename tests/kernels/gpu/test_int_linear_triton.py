@@ -17,6 +17,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from tidegate.kernels.cpu.linear import linear_ref, norm_linear_ref
 from tidegate.kernels.gpu.int_linear_triton import (
     IntLinearConfig,

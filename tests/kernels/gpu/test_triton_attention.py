@@ -13,8 +13,10 @@ import dataclasses
 from collections.abc import Iterator
 
 import pytest
-import tidegate.kernels.gpu.paged_attention_triton as pat
 import torch
+
+import tidegate.kernels.gpu.paged_attention_triton as pat
+from tests.kernels.cpu.test_paged_attention import GQA, MIXED, Batch, assert_close, make_batch
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.paged_attention import PagedAttentionMetadata, paged_attention_ref
 from tidegate.kernels.gpu.paged_attention_triton import (
@@ -24,8 +26,6 @@ from tidegate.kernels.gpu.paged_attention_triton import (
     paged_prefill_attention_triton,
     prefill_tiles,
 )
-
-from tests.kernels.cpu.test_paged_attention import GQA, MIXED, Batch, assert_close, make_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # One token, exact block (16) and decode-tile (64) boundaries, mid-block, and contexts spanning

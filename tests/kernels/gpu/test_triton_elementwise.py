@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.paged_attention import store_kv_ref
 from tidegate.kernels.gpu.activation_triton import silu_and_mul_triton

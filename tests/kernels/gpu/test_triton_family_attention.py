@@ -20,6 +20,12 @@ import dataclasses
 
 import pytest
 import torch
+
+from tests.kernels.cpu.test_paged_attention import Batch, assert_close
+from tests.kernels.gpu.test_triton_attention import DEVICE, batch_on_device
+from tests.kernels.gpu.test_triton_attention import (
+    poisoned_empty as poisoned_empty,  # autouse: NaN empties
+)
 from tidegate.kernels.cpu.paged_attention import paged_attention_ref, paged_decode_attention
 from tidegate.kernels.gpu.activation_triton import gelu_and_mul_triton
 from tidegate.kernels.gpu.paged_attention_triton import (
@@ -28,12 +34,6 @@ from tidegate.kernels.gpu.paged_attention_triton import (
     paged_decode_attention_triton,
 )
 from tidegate.kernels.reference.activation import gelu_and_mul_ref
-
-from tests.kernels.cpu.test_paged_attention import Batch, assert_close
-from tests.kernels.gpu.test_triton_attention import DEVICE, batch_on_device
-from tests.kernels.gpu.test_triton_attention import (
-    poisoned_empty as poisoned_empty,  # autouse: NaN empties
-)
 
 # Raw scores q.k * scale have a standard deviation of ~SCORE_GAIN: the largest reach ~10.
 SCORE_GAIN = 4.0

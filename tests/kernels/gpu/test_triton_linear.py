@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.linear import linear_ref, norm_linear_ref
 from tidegate.kernels.gpu.linear_triton import (

@@ -13,6 +13,7 @@ from itertools import pairwise
 
 import pytest
 import torch
+
 from tidegate.kernels import ops
 from tidegate.kernels.gpu import lora_triton
 from tidegate.kernels.gpu.lora_triton import (

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from tidegate.kernels.gpu.moe_triton import MoeTiles, default_tiles, expert_layout, moe_triton
 from tidegate.kernels.reference.moe import moe_ref, route
 

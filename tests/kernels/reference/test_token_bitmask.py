@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tidegate.kernels import ops
 from tidegate.kernels.gpu import token_bitmask_triton as bitmask_triton
 from tidegate.kernels.gpu.token_bitmask_triton import apply_token_bitmask_triton

@@ -13,13 +13,13 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 from openai import AsyncOpenAI, OpenAI
-from tidegate.producer.submit.admission import Admission
 
 from tests.conftest import RedisServer
 from tests.producer.conftest import MODEL, SERVED, serve_stack
 from tidegate import keys
 from tidegate.events.event_log import add_event
 from tidegate.jobstore import JOB_FIELD, set_status
+from tidegate.producer.submit.admission import Admission
 from tidegate.protocol import (
     DoneEvent,
     ErrorEvent,

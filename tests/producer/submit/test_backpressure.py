@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from tidegate.producer import Client
-from tidegate.producer.errors import QueueFull
-from tidegate.producer.submit.admission import Admission
-from tidegate.producer.submit.backlog import CACHE_S, LaneBacklog, LaneFull
 
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tidegate import keys
+from tidegate.producer import Client
+from tidegate.producer.errors import QueueFull
+from tidegate.producer.submit.admission import Admission
+from tidegate.producer.submit.backlog import CACHE_S, LaneBacklog, LaneFull
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from tidegate.producer import Client
-from tidegate.producer.submit.admission import Admission
-from tidegate.producer.submit.idempotency import STALE_CLAIM_MS, Claim
-from tidegate.producer.submit.submit_path import SubmitPath
 
 from tests.conftest import RedisServer
 from tests.producer.conftest import serve_stack
 from tidegate import keys
+from tidegate.producer import Client
+from tidegate.producer.submit.admission import Admission
+from tidegate.producer.submit.idempotency import STALE_CLAIM_MS, Claim
+from tidegate.producer.submit.submit_path import SubmitPath
 from tidegate.protocol import now_ms
 from tidegate.settings import Settings
 

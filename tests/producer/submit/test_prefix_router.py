@@ -5,8 +5,8 @@ Redis): the longest cached chain, load, first sight, predictions, expiry and tie
 from __future__ import annotations
 
 import pytest
-from tidegate.producer.submit.prefix_router import BALANCE, PrefixRouter, Route
 
+from tidegate.producer.submit.prefix_router import BALANCE, PrefixRouter, Route
 from tidegate.routing.cache_announcement import CacheAnnouncement
 from tidegate.routing.prefix_hashes import prompt_block_hashes, short
 

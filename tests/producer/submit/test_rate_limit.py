@@ -7,6 +7,9 @@ import asyncio
 
 import pytest
 import redis.asyncio as aioredis
+
+from tidegate import keys
+from tidegate.http.key_file import UNLIMITED, KeyLimits
 from tidegate.producer.submit.rate_limit import (
     RateLimited,
     RateLimiter,
@@ -14,9 +17,6 @@ from tidegate.producer.submit.rate_limit import (
     TenantLimits,
     duration,
 )
-
-from tidegate import keys
-from tidegate.http.key_file import UNLIMITED, KeyLimits
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -17,10 +17,6 @@ import httpx
 import openai
 import pytest
 import redis.asyncio as aioredis
-from tidegate.producer import Client
-from tidegate.producer.errors import QueueFull, RateLimitExceeded
-from tidegate.producer.submit.admission import Admission
-from tidegate.producer.submit.rate_limit import duration
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
@@ -29,6 +25,10 @@ from tests.producer.conftest import serve_stack
 from tests.producer.openai_compat.test_openai_api import ScriptedWorker
 from tidegate import keys
 from tidegate.http.auth import tenant_of
+from tidegate.producer import Client
+from tidegate.producer.errors import QueueFull, RateLimitExceeded
+from tidegate.producer.submit.admission import Admission
+from tidegate.producer.submit.rate_limit import duration
 from tidegate.protocol import JobRequest
 
 pytestmark = pytest.mark.timeout(30)

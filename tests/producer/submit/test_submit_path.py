@@ -13,10 +13,6 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from tidegate.producer.submit.admission import INLINE_PROMPT_CHARS, Admission
-from tidegate.producer.submit.batched import Batched
-from tidegate.producer.submit.refusal import Refusal
-from tidegate.producer.submit.submit_path import SubmitPath
 
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
@@ -24,6 +20,10 @@ from tests.producer.conftest import MODEL
 from tidegate import keys
 from tidegate.commands.cli import build_parser
 from tidegate.jobstore import enqueue
+from tidegate.producer.submit.admission import INLINE_PROMPT_CHARS, Admission
+from tidegate.producer.submit.batched import Batched
+from tidegate.producer.submit.refusal import Refusal
+from tidegate.producer.submit.submit_path import SubmitPath
 from tidegate.protocol import ChatMessage, Job, JobRequest
 from tidegate.settings import Settings
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tidegate.producer.submit.rate_limit import RateLimiter, TenantLimits
 
 from tidegate.http.auth import Auth, tenant_of
 from tidegate.http.key_file import UNLIMITED, KeyEntry, KeyFileError, KeyLimits, parse_key_lines
+from tidegate.producer.submit.rate_limit import RateLimiter, TenantLimits
 from tidegate.settings import Settings
 
 

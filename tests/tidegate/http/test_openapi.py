@@ -11,13 +11,13 @@ import pytest
 from schemathesis.specs.openapi.definitions import OPENAPI_31
 from starlette.applications import Starlette
 from starlette.routing import Mount, Route, WebSocketRoute
-from tidegate.producer.api import create_app as api_app
-from tidegate.producer.submit.admission import Admission
-from tidegate.streaming.gateway import create_app as gateway_app
 
 from tidegate.commands.launcher import combined_app
 from tidegate.http.openapi import OpenAPIDocs, UndocumentedRoute, openapi_route
+from tidegate.producer.api import create_app as api_app
+from tidegate.producer.submit.admission import Admission
 from tidegate.settings import Settings
+from tidegate.streaming.gateway import create_app as gateway_app
 
 SETTINGS = Settings(redis_url="redis://127.0.0.1:1/0", model="random:tiny")
 APPS: dict[str, Callable[[], Starlette]] = {

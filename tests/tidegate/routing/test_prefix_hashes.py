@@ -3,9 +3,8 @@ worker's block manager registers for the same prompt, and what it announces of t
 
 from __future__ import annotations
 
-from tidegate.worker.engine.block_manager import BlockManager
-
 from tidegate.routing.prefix_hashes import adapter_salt, block_hash, prompt_block_hashes, short
+from tidegate.worker.engine.block_manager import BlockManager
 
 BS = 4
 

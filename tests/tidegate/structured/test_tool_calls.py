@@ -10,11 +10,11 @@ import json
 
 import llguidance
 import pytest
-from tidegate.producer.submit.admission import Admission, AdmissionError
 
 from tidegate.model_files.chat_template import CHATML_TEMPLATE
 from tidegate.model_files.model_source import resolve_model
 from tidegate.model_files.tokenizer import load_tokenizer
+from tidegate.producer.submit.admission import Admission, AdmissionError
 from tidegate.protocol import ChatMessage, JobRequest, Tool
 from tidegate.structured.tool_calls import HERMES, LLAMA3, forced_call_grammar, tool_format_of
 

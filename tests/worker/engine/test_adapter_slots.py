@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tidegate.worker.engine.adapter_slots import AdapterSlots
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+
 from tidegate.worker.engine.block_manager import BlockManager
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.worker.hf_oracle import causal_greedy, hf_greedy
+from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import (
     Engine,
     EngineConfig,
@@ -13,9 +16,6 @@ from tidegate.worker.engine.engine import (
     RequestOutput,
 )
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model
-
-from tests.worker.hf_oracle import causal_greedy, hf_greedy
-from tidegate.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 

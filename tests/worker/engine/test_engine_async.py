@@ -7,11 +7,11 @@ scheduled; test_engine_async_scheduling.py launches the next step first.)"""
 from __future__ import annotations
 
 import pytest
-from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
-from tidegate.worker.models.loaders.loader import LoadedModel
 
 from tests.worker.engine.test_engine import chat_ids, smollm2  # noqa: F401 - fixture
 from tidegate.protocol import SamplingParams
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from tidegate.worker.models.loaders.loader import LoadedModel
 
 pytestmark = pytest.mark.slow
 

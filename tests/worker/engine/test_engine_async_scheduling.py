@@ -10,15 +10,15 @@ import dataclasses
 import itertools
 
 import pytest
+
+from tests.worker.engine.test_engine import chat_ids, smollm2  # noqa: F401 - fixture
+from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from tidegate.worker.engine.grammar_masks import TokenMask
 from tidegate.worker.engine.model_runner import ModelRunner, StepLogits
 from tidegate.worker.engine.sampler import SamplerLaunch
 from tidegate.worker.engine.scheduler import SchedulerOutput
 from tidegate.worker.models.loaders.loader import LoadedModel
-
-from tests.worker.engine.test_engine import chat_ids, smollm2  # noqa: F401 - fixture
-from tidegate.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 

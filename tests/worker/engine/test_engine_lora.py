@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestError
-from tidegate.worker.engine.lora_manager import AdapterError
-from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 
 from tests.worker.tiny_checkpoints import tiny_hf_model, write_hf_dir
 from tidegate.protocol import SamplingParams
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestError
+from tidegate.worker.engine.lora_manager import AdapterError
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 
 # peft calls transformers' deprecated is_gradient_checkpointing: theirs, not ours.
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")

@@ -5,6 +5,8 @@ penalties and stop strings; a continuation that cannot hold is refused with ``Re
 from __future__ import annotations
 
 import pytest
+
+from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import (
     Engine,
     EngineConfig,
@@ -13,8 +15,6 @@ from tidegate.worker.engine.engine import (
     ResumeError,
 )
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model
-
-from tidegate.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -21,6 +21,11 @@ from typing import Any
 
 import jsonschema
 import pytest
+
+from tests.worker.engine.test_engine import run_all
+from tidegate.protocol import SamplingParams
+from tidegate.structured.grammar import lark_grammar, validation_error
+from tidegate.structured.response_format import GrammarFormat, RegexFormat
 from tidegate.worker.engine.engine import (
     Engine,
     EngineConfig,
@@ -30,11 +35,6 @@ from tidegate.worker.engine.engine import (
     ResumeError,
 )
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model
-
-from tests.worker.engine.test_engine import run_all
-from tidegate.protocol import SamplingParams
-from tidegate.structured.grammar import lark_grammar, validation_error
-from tidegate.structured.response_format import GrammarFormat, RegexFormat
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -6,14 +6,14 @@ decode steps' fused projections (norm, SiLU and residual add in the weight strea
 from __future__ import annotations
 
 import pytest
+import torch
+
 import tidegate.kernels.gpu.linear_triton as linear_triton
 import tidegate.kernels.gpu.paged_attention_triton as attention_triton
 import tidegate.kernels.gpu.rmsnorm_triton as rmsnorm_triton
-import torch
+from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
 from tidegate.worker.models.loaders.loader import load_model
-
-from tidegate.protocol import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 import torch
 from pydantic import TypeAdapter
-from tidegate.worker.engine.grammar_masks import GrammarMasks, GrammarUnavailable, TokenMask
-from tidegate.worker.engine.sampler import LOGPROB_FLOOR, Sampler
 
 from tests.worker.engine.test_sampler import Row, row
 from tidegate.model_files.model_source import resolve_model
 from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
 from tidegate.structured.grammar import grammar_of, lark_grammar
 from tidegate.structured.response_format import ResponseFormat
+from tidegate.worker.engine.grammar_masks import GrammarMasks, GrammarUnavailable, TokenMask
+from tidegate.worker.engine.sampler import LOGPROB_FLOOR, Sampler
 
 FORMAT = TypeAdapter(ResponseFormat)
 SCHEMA = {

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tidegate.benchmarks.harness.greedy import PROMPTS, first_divergence, generate
-from tidegate.worker.models.loaders.loader import load_model
 
 from tests.worker.hf_oracle import causal_logits
+from tidegate.benchmarks.harness.greedy import PROMPTS, first_divergence, generate
+from tidegate.worker.models.loaders.loader import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -9,6 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.sampler import (
     Sampler,
     SamplerOutput,
@@ -17,8 +19,6 @@ from tidegate.worker.engine.sampler import (
     top_k_top_p_cutoff,
     two_stage_argmax,
 )
-
-from tidegate.protocol import SamplingParams
 
 
 @dataclass

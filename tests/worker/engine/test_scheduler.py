@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 import pytest
+
+from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.block_manager import BlockManager
 from tidegate.worker.engine.detokenizer import IncrementalDetokenizer
 from tidegate.worker.engine.scheduler import (
@@ -14,8 +16,6 @@ from tidegate.worker.engine.scheduler import (
     SchedulerOutput,
 )
 from tidegate.worker.engine.sequence import SeqStatus, Sequence
-
-from tidegate.protocol import SamplingParams
 
 
 class ByteDecoder:

@@ -10,11 +10,6 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from tidegate.kernels.reference.moe import route
-from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
-from tidegate.worker.models.decoder import Experts
-from tidegate.worker.models.families import MODEL_TYPES
-from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 from transformers import PreTrainedModel
 
 from tests.worker.engine_runs import run_to_end
@@ -25,8 +20,13 @@ from tests.worker.models.family_checkpoints import (
     write_family,
     write_family_gguf,
 )
+from tidegate.kernels.reference.moe import route
 from tidegate.model_files.model_source import HF_MODEL_TYPES, ModelLoadError
 from tidegate.protocol import SamplingParams
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from tidegate.worker.models.decoder import Experts
+from tidegate.worker.models.families import MODEL_TYPES
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 
 LOGITS_ATOL = 2e-4
 NEW_TOKENS = 24

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 
 from tests.worker.hf_oracle import (
     CHAT_PROMPTS,
@@ -14,6 +13,7 @@ from tests.worker.hf_oracle import (
     hf_greedy,
     hf_logits,
 )
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 

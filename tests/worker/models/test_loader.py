@@ -8,10 +8,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from safetensors.torch import load_file, save_file
-from tidegate.kernels.reference.rotary import Llama3Scaling
-from tidegate.worker.models.loaders.gguf_weights import unpermute_qk
-from tidegate.worker.models.loaders.loader import load_model
-from tidegate.worker.models.packed_modules import PackedEmbedding, PackedLinear
 from transformers import LlamaForCausalLM
 
 from tests.worker.hf_oracle import causal_logits
@@ -22,7 +18,11 @@ from tests.worker.tiny_checkpoints import (
     write_gguf,
     write_hf_dir,
 )
+from tidegate.kernels.reference.rotary import Llama3Scaling
 from tidegate.model_files.model_source import ModelLoadError, preset_config
+from tidegate.worker.models.loaders.gguf_weights import unpermute_qk
+from tidegate.worker.models.loaders.loader import load_model
+from tidegate.worker.models.packed_modules import PackedEmbedding, PackedLinear
 
 # A sequence longer than the llama3 variant's original context (32), so scaled bands matter.
 IDS = [256, *range(40, 120, 2), 97, 98, 99, 10, 32, 200, 255, 3, 4]

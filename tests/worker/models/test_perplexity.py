@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from tidegate.worker.models.loaders.loader import load_model
-from tidegate.worker.models.perplexity import perplexity
 
 from tests.worker.hf_oracle import causal_logits
 from tests.worker.tiny_checkpoints import tiny_hf_model, write_gguf
+from tidegate.worker.models.loaders.loader import load_model
+from tidegate.worker.models.perplexity import perplexity
 
 TEXT = ("The tide came in over the flats, slowly at first and then all at once; the gate "
         "keeper counted the waves and wrote each one down. ") * 6

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tidegate.worker.models.config import ModelConfig
 from tidegate.worker.parallel.layout import LayoutError, ParallelLayout, stage_layers
 

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import torch
+
 from tidegate.worker.parallel.layout import ParallelLayout
 from tidegate.worker.parallel.model_group import MESSAGE_BYTES, ModelGroup
 from tidegate.worker.parallel.rank_processes import free_port

@@ -8,14 +8,14 @@ import multiprocessing
 from collections.abc import Iterator
 
 import pytest
-from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
-from tidegate.worker.models.loaders.loader import load_model
-from tidegate.worker.parallel.layout import ParallelLayout
-from tidegate.worker.parallel.parallel_engine import start_parallel_engine
 
 from tests.worker.engine.test_engine_structured import conforms, mixed_requests
 from tests.worker.engine_runs import run_to_end
 from tidegate.protocol import SamplingParams
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from tidegate.worker.models.loaders.loader import load_model
+from tidegate.worker.parallel.layout import ParallelLayout
+from tidegate.worker.parallel.parallel_engine import start_parallel_engine
 
 pytestmark = pytest.mark.slow
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
-from tidegate.worker.models.loaders.loader import load_model
-from tidegate.worker.parallel.layout import ParallelLayout
-from tidegate.worker.parallel.parallel_engine import start_parallel_engine
 
 from tests.worker.models.family_checkpoints import write_family
 from tests.worker.parallel.test_parallel_engine import run, tokens
 from tidegate.protocol import SamplingParams
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
+from tidegate.worker.models.loaders.loader import load_model
+from tidegate.worker.parallel.layout import ParallelLayout
+from tidegate.worker.parallel.parallel_engine import start_parallel_engine
 
 pytestmark = pytest.mark.slow
 

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.worker.models.family_checkpoints import write_family
 from tidegate.worker.models.config import ModelConfig
 from tidegate.worker.models.decoder import DecoderModel, Partition
 from tidegate.worker.models.loaders.loader import load_model
 from tidegate.worker.models.loaders.random_weights import init_random_weights
 from tidegate.worker.parallel.layout import ParallelLayout
 from tidegate.worker.parallel.weight_shards import gather, global_name, init_random_shard, shard
-
-from tests.worker.models.family_checkpoints import write_family
 
 DENSE = ModelConfig(vocab_size=261, hidden_size=32, intermediate_size=48, num_layers=3,
                     num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True, o_bias=True,

@@ -13,6 +13,13 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AwqConfig, GPTQConfig
+
+from tests.worker.compressed_tensors_oracle import needs_compressed_tensors
+from tests.worker.hf_oracle import causal_logits
+from tests.worker.quantized_checkpoints import linear_names, random_int_weights
+from tests.worker.quantized_checkpoints import load_exact_model as load_model
+from tests.worker.tiny_checkpoints import tiny_hf_model, write_hf_dir
 from tidegate.kernels.reference.rotary import Llama3Scaling
 from tidegate.kernels.weights.fp8_weight import Fp8Weight
 from tidegate.kernels.weights.int_weight import IntWeight
@@ -21,13 +28,6 @@ from tidegate.worker.models.decoder import DecoderModel
 from tidegate.worker.models.loaders.hf_weights import hf_model_config
 from tidegate.worker.models.loaders.quantized.quantized_safetensors import QuantizedSafetensors
 from tidegate.worker.quantization.checkpoint_writer import write_checkpoint
-from transformers import AutoConfig, AutoModelForCausalLM, AwqConfig, GPTQConfig
-
-from tests.worker.compressed_tensors_oracle import needs_compressed_tensors
-from tests.worker.hf_oracle import causal_logits
-from tests.worker.quantized_checkpoints import linear_names, random_int_weights
-from tests.worker.quantized_checkpoints import load_exact_model as load_model
-from tests.worker.tiny_checkpoints import tiny_hf_model, write_hf_dir
 
 IDS = [256, *range(40, 100, 3), 10, 32, 200, 255]
 Q_PROJ = "model.layers.0.self_attn.q_proj"

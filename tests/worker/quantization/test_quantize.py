@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+
+from tests.worker.quantized_checkpoints import load_exact_model as load_model
+from tests.worker.tiny_checkpoints import tiny_hf_model, write_gguf, write_hf_dir
 from tidegate.kernels.weights.fp8_weight import Fp8Weight
 from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
 from tidegate.worker.models.decoder import CausalAttention
 from tidegate.worker.models.loaders.loader import LoadedModel
 from tidegate.worker.models.packed_modules import PackedLinear
 from tidegate.worker.quantization.online import quantize_loaded
-
-from tests.worker.quantized_checkpoints import load_exact_model as load_model
-from tests.worker.tiny_checkpoints import tiny_hf_model, write_gguf, write_hf_dir
-from tidegate.protocol import SamplingParams
 
 TEXT = ("The tide came in over the flats, slowly at first and then all at once; the gate "
         "keeper counted the waves and wrote each one down. ") * 8

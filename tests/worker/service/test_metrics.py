@@ -11,16 +11,16 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
-from tidegate.worker.engine.engine import Engine, EngineConfig
-from tidegate.worker.models.loaders.loader import LoadedModel
-from tidegate.worker.service.metrics import OUTCOMES, WorkerMetrics
-from tidegate.worker.service.service import WorkerService
 
 from tests.conftest import RedisServer
 from tests.worker.service.test_service import collect, submit, tiny  # noqa: F401 - fixture
 from tidegate import keys
 from tidegate.jobstore import JOB_FIELD, read_result
 from tidegate.operations.status_server import StatusServer
+from tidegate.worker.engine.engine import Engine, EngineConfig
+from tidegate.worker.models.loaders.loader import LoadedModel
+from tidegate.worker.service.metrics import OUTCOMES, WorkerMetrics
+from tidegate.worker.service.service import WorkerService
 
 
 @pytest.fixture

@@ -8,15 +8,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
-from tidegate.worker.engine.engine import Engine, EngineConfig
-from tidegate.worker.models.loaders.loader import LoadedModel, load_model
-from tidegate.worker.service.service import WorkerService
 
 from tidegate import keys
 from tidegate.events.follow import follow
 from tidegate.jobstore import enqueue, request_cancel
 from tidegate.protocol import JobRequest
 from tidegate.retention import Retention
+from tidegate.worker.engine.engine import Engine, EngineConfig
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
+from tidegate.worker.service.service import WorkerService
 
 pytestmark = pytest.mark.timeout(60)
 

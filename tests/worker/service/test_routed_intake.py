@@ -10,19 +10,19 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
+
+from tidegate import keys
+from tidegate.jobstore import enqueue
+from tidegate.operations.queue_stats import ROUTED, queue_stats
 from tidegate.producer.submit.backlog import LaneBacklog
 from tidegate.producer.submit.prefix_router import PrefixRouter, Route
+from tidegate.protocol import JobRequest
+from tidegate.routing.cache_announcement import FORGET_AFTER_S, CacheAnnouncement, read_table
 from tidegate.worker.engine.engine import Engine, EngineConfig
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 from tidegate.worker.service.cache_announcer import CacheAnnouncer
 from tidegate.worker.service.intake import StreamIntake
 from tidegate.worker.service.service import WorkerService
-
-from tidegate import keys
-from tidegate.jobstore import enqueue
-from tidegate.operations.queue_stats import ROUTED, queue_stats
-from tidegate.protocol import JobRequest
-from tidegate.routing.cache_announcement import FORGET_AFTER_S, CacheAnnouncement, read_table
 
 MODEL = "random_tiny"
 

@@ -8,14 +8,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
-from tidegate.worker.engine.engine import Engine, EngineConfig
-from tidegate.worker.models.loaders.loader import LoadedModel, load_model
-from tidegate.worker.service.service import WorkerService
 
 from tidegate import keys
 from tidegate.events.follow import follow
 from tidegate.jobstore import JOB_FIELD, enqueue, read_result
 from tidegate.protocol import JobRequest
+from tidegate.worker.engine.engine import Engine, EngineConfig
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
+from tidegate.worker.service.service import WorkerService
 
 
 @pytest.fixture(scope="module")

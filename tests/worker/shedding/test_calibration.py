@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tidegate.worker.engine.engine import Engine, EngineConfig
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 from tidegate.worker.service.metrics import WorkerMetrics

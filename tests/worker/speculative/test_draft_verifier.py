@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tidegate.worker.engine.sampler import Sampler, probabilities
-from tidegate.worker.speculative.draft_verifier import DraftVerifier
 
 from tidegate.protocol import SamplingParams
+from tidegate.worker.engine.sampler import Sampler, probabilities
+from tidegate.worker.speculative.draft_verifier import DraftVerifier
 
 # Chi-square critical values at p = 0.001 by degrees of freedom: a correct sampler fails one
 # run in a thousand per check.

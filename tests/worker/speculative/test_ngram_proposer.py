@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from tidegate.worker.speculative.ngram_proposer import NgramIndex
 
 

@@ -4,6 +4,7 @@ keeps checking the other way, and follows a fixed max batch when given one."""
 from __future__ import annotations
 
 import pytest
+
 from tidegate.worker.speculative.speculation_governor import SpeculationGovernor
 
 

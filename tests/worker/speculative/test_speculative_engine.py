@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
-from tidegate.worker.models.decoder import DecoderModel
-from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 
 from tests.worker.engine_runs import run_to_end
 from tidegate.protocol import SamplingParams
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from tidegate.worker.models.decoder import DecoderModel
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 
 TEXT = ("The committee approved the new budget for the harbour bridge, which will be "
         "repainted in the spring and reopened to traffic in June. Residents asked for a second "

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tidegate.model_files.model_source import ModelLoadError
 from tidegate.worker.models.families import (
     gemma,
     llama,
@@ -21,8 +22,6 @@ from tidegate.worker.models.families import (
     qwen3_moe,
 )
 from tidegate.worker.models.families.family import Family
-
-from tidegate.model_files.model_source import ModelLoadError
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, phi3.FAMILY, gemma.GEMMA2,

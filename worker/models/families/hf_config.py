@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from tidegate.kernels.reference.rotary import ROPE_TYPES, Llama3Scaling, RopeScaling, Scaling
-
 from tidegate.model_files.model_source import ModelLoadError
 
 

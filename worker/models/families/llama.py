@@ -6,11 +6,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tidegate.model_files.model_source import ModelLoadError
 from tidegate.worker.models.config import ModelConfig
 from tidegate.worker.models.families.family import Family
 from tidegate.worker.models.families.hf_config import check_activation, rope_fields, shape_fields
-
-from tidegate.model_files.model_source import ModelLoadError
 
 
 def llama_config(hf: Mapping[str, Any], where: Path) -> ModelConfig:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tidegate.model_files.model_source import ModelLoadError
 from tidegate.worker.models.config import ModelConfig
 from tidegate.worker.models.families.family import Family
 from tidegate.worker.models.families.hf_config import (
@@ -17,8 +18,6 @@ from tidegate.worker.models.families.hf_config import (
     shape_fields,
 )
 from tidegate.worker.models.families.qwen2 import qwen_window
-
-from tidegate.model_files.model_source import ModelLoadError
 
 
 def qwen3_moe_config(hf: Mapping[str, Any], where: Path) -> ModelConfig:

@@ -27,14 +27,14 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
+
 from tidegate.kernels.reference.rotary import Llama3Scaling, inv_frequencies
 from tidegate.kernels.weights.packed_weight import PACKED_TYPES, PackedWeight
+from tidegate.model_files.gguf_file import GGUFHeader, GGUFTensorInfo
+from tidegate.model_files.model_source import ModelLoadError, gguf_header
 from tidegate.worker.models.config import ModelConfig
 from tidegate.worker.models.decoder import TensorNames, TensorSource
 from tidegate.worker.models.families import Family, family_of
-
-from tidegate.model_files.gguf_file import GGUFHeader, GGUFTensorInfo
-from tidegate.model_files.model_source import ModelLoadError, gguf_header
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

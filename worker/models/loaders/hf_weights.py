@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from tidegate.worker.models.config import ModelConfig
-from tidegate.worker.models.families import Family, family_of
 
 from tidegate.model_files.model_source import ModelLoadError, hf_config
+from tidegate.worker.models.config import ModelConfig
+from tidegate.worker.models.families import Family, family_of
 
 
 def hf_model_config(model_dir: Path) -> tuple[Family, ModelConfig]:

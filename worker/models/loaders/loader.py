@@ -29,9 +29,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
 from tidegate.kernels.cpu.native_cpu import native_kernels
 from tidegate.kernels.weights.fp8_weight import Fp8Weight
 from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.model_files.model_source import ModelLoadError, ModelSource, resolve_model
+from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
 from tidegate.worker.models.config import ModelConfig
 from tidegate.worker.models.decoder import (
     DecoderModel,
@@ -50,9 +53,6 @@ from tidegate.worker.models.loaders.random_weights import init_random_weights, p
 from tidegate.worker.models.packed_modules import PackedMatrix, use_activations
 from tidegate.worker.parallel.layout import LayoutError, ParallelLayout, RankPlace
 from tidegate.worker.parallel.weight_shards import WeightSharder, init_random_shard, stage_sources
-
-from tidegate.model_files.model_source import ModelLoadError, ModelSource, resolve_model
-from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
 
 
 @dataclass

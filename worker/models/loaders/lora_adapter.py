@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from tidegate.kernels.reference.lora import MAX_RANK, LoraStack
 
+from tidegate.kernels.reference.lora import MAX_RANK, LoraStack
 from tidegate.model_files.model_source import ModelLoadError
 
 CONFIG_FILE = "adapter_config.json"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
+
 from tidegate.kernels.reference.rotary import Llama3Scaling
+from tidegate.model_files.model_source import preset_config
 from tidegate.worker.models.config import ModelConfig
 from tidegate.worker.models.decoder import DecoderModel
-
-from tidegate.model_files.model_source import preset_config
 
 INIT_STD = 0.02
 

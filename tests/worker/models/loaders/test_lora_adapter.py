@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from tidegate.kernels import ops
+from tidegate.model_files.model_source import ModelLoadError
 from tidegate.worker.models.loaders.lora_adapter import (
     PROJECTIONS,
     load_lora_adapter,
     stack_adapters,
 )
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from tidegate.model_files.model_source import ModelLoadError
 
 # peft (0.21) calls transformers' deprecated is_gradient_checkpointing: theirs, not ours.
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")

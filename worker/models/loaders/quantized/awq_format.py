@@ -8,15 +8,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
 from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.model_files.model_source import ModelLoadError
 from tidegate.worker.models.loaders.quantized.checkpoint_tensors import (
     FLOATS,
     CheckpointTensors,
     check_divides,
     unpack_words,
 )
-
-from tidegate.model_files.model_source import ModelLoadError
 
 # AutoAWQ packs output column 8c + AWQ_ORDER[i] into field i of word c; AWQ_FIELD inverts it.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

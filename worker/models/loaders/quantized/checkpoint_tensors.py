@@ -8,13 +8,13 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
 from tidegate.kernels.weights.fp8_weight import Fp8Weight
 from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.model_files.model_source import ModelLoadError
 from tidegate.worker.models.config import ModelConfig
 from tidegate.worker.models.decoder import layer_matrices
 from tidegate.worker.models.loaders.hf_weights import SafetensorsWeights
-
-from tidegate.model_files.model_source import ModelLoadError
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 INTS = (torch.int8, torch.int16, torch.int32, torch.int64)

@@ -11,8 +11,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
 from tidegate.kernels.weights.fp8_weight import Fp8Weight
 from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.model_files.model_source import ModelLoadError
 from tidegate.worker.models.loaders.quantized.checkpoint_tensors import (
     FLOATS,
     INTS,
@@ -22,8 +24,6 @@ from tidegate.worker.models.loaders.quantized.checkpoint_tensors import (
     unpack_words,
 )
 from tidegate.worker.models.loaders.quantized.float_format import fp8_scheme, read_fp8
-
-from tidegate.model_files.model_source import ModelLoadError
 
 
 class CompressedTensorsFormat:

@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from tidegate.kernels.weights.fp8_weight import FP8_DTYPE, Fp8Weight
-from tidegate.worker.models.loaders.quantized.checkpoint_tensors import FLOATS, CheckpointTensors
 
+from tidegate.kernels.weights.fp8_weight import FP8_DTYPE, Fp8Weight
 from tidegate.model_files.model_source import ModelLoadError
+from tidegate.worker.models.loaders.quantized.checkpoint_tensors import FLOATS, CheckpointTensors
 
 # compressed-tensors formats that hold FP8 weights as float8_e4m3fn tensors named ``weight``
 # (naive-quantized: weight-only schemes, which compressed-tensors does not call float-quantized)

@@ -9,7 +9,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
 from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.model_files.model_source import ModelLoadError
 from tidegate.worker.models.loaders.quantized.checkpoint_tensors import (
     FLOATS,
     CheckpointTensors,
@@ -17,8 +19,6 @@ from tidegate.worker.models.loaders.quantized.checkpoint_tensors import (
     check_divides,
     unpack_words,
 )
-
-from tidegate.model_files.model_source import ModelLoadError
 
 
 class GPTQFormat:

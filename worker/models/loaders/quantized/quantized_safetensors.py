@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from tidegate.kernels.weights.fp8_weight import Fp8Weight
 from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.model_files.model_source import ModelLoadError, hf_config
 from tidegate.worker.models.loaders.hf_weights import SafetensorsWeights
 from tidegate.worker.models.loaders.quantized.awq_format import AWQFormat
 from tidegate.worker.models.loaders.quantized.checkpoint_tensors import (
@@ -26,8 +28,6 @@ from tidegate.worker.models.loaders.quantized.compressed_tensors_format import (
 )
 from tidegate.worker.models.loaders.quantized.float_format import Fp8Format
 from tidegate.worker.models.loaders.quantized.gptq_format import GPTQFormat
-
-from tidegate.model_files.model_source import ModelLoadError, hf_config
 
 
 def quantization_config(model_dir: Path) -> dict[str, Any] | None:

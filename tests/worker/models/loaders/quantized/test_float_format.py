@@ -15,9 +15,6 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file
-from tidegate.kernels.weights.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Weight
-from tidegate.worker.models.loaders.loader import load_model
-from tidegate.worker.models.loaders.quantized.quantized_safetensors import QuantizedSafetensors
 from torch import nn
 
 from tests.worker.compressed_tensors_oracle import (
@@ -37,6 +34,9 @@ from tests.worker.quantized_checkpoints import (
     tiny_checkpoint,
 )
 from tests.worker.tiny_checkpoints import tiny_hf_model
+from tidegate.kernels.weights.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Weight
+from tidegate.worker.models.loaders.loader import load_model
+from tidegate.worker.models.loaders.quantized.quantized_safetensors import QuantizedSafetensors
 
 IDS = [256, *range(40, 100, 3), 97, 98, 99, 10, 32, 200, 255]
 Q_PROJ = "model.layers.0.self_attn.q_proj"

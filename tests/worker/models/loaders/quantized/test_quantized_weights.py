@@ -13,13 +13,6 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file
-from tidegate.kernels.weights.int_weight import IntWeight
-from tidegate.worker.models.decoder import DecoderModel
-from tidegate.worker.models.loaders.quantized.quantized_safetensors import (
-    QuantizedSafetensors,
-    quantization_config,
-)
-from tidegate.worker.quantization.checkpoint_writer import write_checkpoint
 
 from tests.worker.compressed_tensors_oracle import (
     decompress_with_compressed_tensors,
@@ -42,6 +35,13 @@ from tests.worker.quantized_checkpoints import (
     with_scales_as,
 )
 from tests.worker.tiny_checkpoints import tiny_hf_model
+from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.worker.models.decoder import DecoderModel
+from tidegate.worker.models.loaders.quantized.quantized_safetensors import (
+    QuantizedSafetensors,
+    quantization_config,
+)
+from tidegate.worker.quantization.checkpoint_writer import write_checkpoint
 
 IDS = [256, *range(40, 100, 3), 97, 98, 99, 10, 32, 200, 255]
 Q_PROJ = "model.layers.0.self_attn.q_proj"
