@@ -33,10 +33,10 @@ clients, the machine) saturates before Redis, the capacity is the fleet's: the b
 says which, and ``projected_redis_limit_token_events_per_s`` extrapolates Redis' own limit from
 its CPU per event (when its busiest master was at least 20% busy).
 
-    python benchmarks/cluster/fleet.py                                    # both modes, ramp, defaults
-    python benchmarks/cluster/fleet.py --modes server cluster --workers 2 --apis 1 --gateways 1 \\
+    python -m tidegate.benchmarks.cluster.fleet                                    # both modes, ramp, defaults
+    python -m tidegate.benchmarks.cluster.fleet --modes server cluster --workers 2 --apis 1 --gateways 1 \\
         --client-procs 1 --rates 5 10 --duration 5 --max-tokens 32  # a 2-core smoke run
-    python benchmarks/cluster/plot_fleet.py benchmarks/results/cluster/fleet.json
+    python -m tidegate.benchmarks.cluster.plot_fleet benchmarks/results/cluster/fleet.json
 
 Output: ``--out`` (JSON: config, machine, per-mode steps, capacity, the 80% step, the
 cluster/server ratio) and a table on stdout. Logs of every process go to ``--logdir``
@@ -50,12 +50,10 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
-import ctypes
 import json
 import math
 import multiprocessing as mp
 import os
-import platform
 import random
 import re
 import resource
@@ -74,15 +72,19 @@ from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from tidegate.benchmarks.harness import record  # noqa: E402
 from tidegate.benchmarks.harness.http import Pool  # noqa: E402
-from tidegate.benchmarks.harness.stack import (  # noqa: E402
+from tidegate.benchmarks.harness.processes import (  # noqa: E402
     cpu_seconds,
+    die_with_parent,
     free_port,
     http_ready,
     log_tail,
+    machine_busy,
     spawn,
     stop_processes,
 )
+from tidegate.benchmarks.harness.redis_server import redis_answers, redis_argv  # noqa: E402
 
 TIDEGATE = [sys.executable, "-m", "tidegate"]
 MODEL = "random:tiny"
@@ -92,7 +94,6 @@ LATENCY_TARGET_MS = 50.0
 # Redis' limit is projected from its CPU at capacity only where its busiest master was this busy
 PROJECT_MIN_REDIS_PCT = 20.0
 RATIO_TARGET = 2.5
-PR_SET_PDEATHSIG = 1
 FINAL_TYPES = (b'"type":"done"', b'"type":"error"', b'"type":"rejected"')
 ID_RE = re.compile(rb'"id":(\d+)')
 WORDS = ("harbour bridge river market garden engine library winter summer letter station "
@@ -116,41 +117,6 @@ def raise_file_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def machine_info() -> dict[str, Any]:
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    mem_gb = 0.0
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_gb = round(int(line.split()[1]) / 1024 / 1024, 1)
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    return {"nproc": usable, "cpu_count": os.cpu_count(),
-            "cpu_model": model or platform.processor(), "memory_gb": mem_gb,
-            "python": platform.python_version(),
-            "kernel": platform.release()}
-
-
-def machine_busy() -> tuple[float, float]:
-    """(busy jiffies, total jiffies) of the whole machine so far, from /proc/stat."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    total = sum(fields[:8])
-    return total - idle, total
-
-
 def sleep_until(t: float) -> None:
     while (left := t - time.time()) > 0:
         time.sleep(min(left, 0.5))
@@ -161,15 +127,6 @@ def pct(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
-
-
-def redis_ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 def bindable(port: int) -> bool:
@@ -317,16 +274,14 @@ class Fleet:
         return {**env, **self.cfg.extra_env}
 
     def _redis_argv(self, port: int, data: Path) -> list[str]:
-        exe = shutil.which(self.cfg.redis_server) or self.cfg.redis_server
-        return [exe, "--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "no",
-                "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
-                "--dir", str(data), "--maxclients", "60000", "--tcp-backlog", "4096"]
+        return [*redis_argv(self.cfg.redis_server, port, data, appendfsync="everysec",
+                            maxclients=60000), "--tcp-backlog", "4096"]
 
     def _spawn_redis(self, name: str, argv: list[str], port: int) -> None:
         self._start(name, argv, dict(os.environ))
         self.redis_ports[name] = port
         deadline = time.monotonic() + 20
-        while not redis_ping(port):
+        while not redis_answers(port):
             self.check_alive()
             if time.monotonic() > deadline:
                 raise FleetError(f"{name} did not answer within 20 s\n"
@@ -1212,7 +1167,7 @@ def summarize_step(label: str, rate: float, plan: StepPlan, outs: list[dict], pr
         if per:
             cpu[group] = {"total_pct": round(sum(per.values()), 1),
                           "max_pct": max(per.values()), "per_process": per}
-    busy_pct = 100 * (s1["busy"] - s0["busy"]) / max(1, s1["total"] - s0["total"])
+    busy_pct = 100 * (s1["busy"] - s0["busy"]) / max(1e-9, s1["total"] - s0["total"])
 
     def wsum(name: str) -> float:
         return sum(w1.get(w, {}).get(name, 0) - w0.get(w, {}).get(name, 0) for w in w1)
@@ -1569,10 +1524,10 @@ def main(argv: list[str] | None = None) -> int:
     version = subprocess.run([shutil.which(args.redis_server) or args.redis_server, "--version"],
                              capture_output=True, text=True).stdout.strip()
     t0 = time.monotonic()
+    machine = record.machine()
     out: dict[str, Any] = {
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None
-                                                        else sys.argv[1:])]),
-        "machine": {**machine_info(), "redis": version, "open_files": limit},
+        **record.record(argv, __spec__.name),
+        "machine": {**machine, "nproc": machine["cpus"], "redis": version, "open_files": limit},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "targets": {"cluster_over_server": RATIO_TARGET, "p99_ms_at_80pct": LATENCY_TARGET_MS},
         "logdir": str(logdir), "modes": {},

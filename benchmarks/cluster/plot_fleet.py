@@ -2,7 +2,7 @@
 delivered against the offered job rate (where each saturates), the probe's p99 delivery latency
 against the load as a share of that mode's capacity, and the busiest Redis shard's CPU.
 
-    python benchmarks/cluster/plot_fleet.py benchmarks/results/cluster/fleet.json [-o fleet.png]
+    python -m tidegate.benchmarks.cluster.plot_fleet benchmarks/results/cluster/fleet.json [-o fleet.png]
 
 matplotlib is optional for the benchmark itself: ``.venv/bin/pip install matplotlib``.
 """

@@ -9,7 +9,7 @@ Workloads (fixed seed, random prompt tokens, ``ignore_eos`` so lengths are exact
   prefix  32 requests sharing a 384-token system prompt + 32 own tokens, 64 output tokens each;
           tidegate with prefix caching on and off: prompt tokens computed, wall time, TTFT.
 
-Usage:  python benchmarks/engine/engine_cpu.py [--repeats 3] [--dtype float32] [--extra-dtype bfloat16]
+Usage:  python -m tidegate.benchmarks.engine.engine_cpu [--repeats 3] [--dtype float32] [--extra-dtype bfloat16]
                                         [--out benchmarks/results/engine/engine_cpu.json] [--plot PNG]
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tidegate.benchmarks.harness import record
 from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model
@@ -222,8 +222,9 @@ def main() -> None:
               f"({tg_mixed.name}; {hf_mixed.name})")
         return
     results = {
-        "machine": {"cpu": platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        **record.record(),
+        "machine": {**record.machine(), "cpu": record.cpu_model(),
+                    "threads": torch.get_num_threads()},
         "workloads": {"mixed_prompt_tokens": sum(len(r.prompt) for r in mixed),
                       "mixed_output_tokens": sum(r.output_len for r in mixed),
                       "hf_static_generated_rows_x_steps": len(mixed) * max(r.output_len for r in mixed)},

@@ -24,8 +24,8 @@ Sections (``--only`` picks some; default all but ``hf``):
   hf        HF transformers ``generate_batch`` (its continuous batching) on 256 prompts of
             256 in / 256 out, same weights shape, same GPU.
 
-    python benchmarks/engine/gpu_throughput.py --out $OUT/gpu.json
-    python benchmarks/engine/gpu_throughput.py --only ceilings kernels batch1
+    python -m tidegate.benchmarks.engine.gpu_throughput --out $OUT/gpu.json
+    python -m tidegate.benchmarks.engine.gpu_throughput --only ceilings kernels batch1
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import gc
 import json
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from tidegate.benchmarks.harness import record  # noqa: E402
 from tidegate.kernels import ops  # noqa: E402
 from tidegate.kernels.gpu.paged_attention_triton import default_num_splits  # noqa: E402
 from tidegate.protocol import SamplingParams  # noqa: E402
@@ -321,8 +321,8 @@ def main() -> None:
                          "random:mixtral-8x7b (default %(default)s)")
     args = ap.parse_args()
     results: dict[str, object] = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "command": " ".join(sys.argv), "model": args.model}
+        **record.record(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "model": args.model}
     try:
         import triton
 
@@ -357,7 +357,7 @@ def main() -> None:
     for name, (bits, group, section, kv) in INT_SECTIONS.items():
         if name not in args.only:
             continue
-        from tidegate.worker.quantization.online import quantize_loaded
+        from tidegate.worker.models.online_quantization import quantize_loaded
 
         if quantized_as is not None and quantized_as != (bits, group):
             loaded = None  # the bf16 weights are gone: load them again

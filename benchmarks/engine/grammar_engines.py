@@ -41,7 +41,7 @@ touching the installed torch:
 The engines take turns (``--rounds``) so that a shared machine's drift hits both alike; the
 load average at the start and end is in the results.
 
-Usage:  .venv/bin/python benchmarks/engine/grammar_engines.py
+Usage:  .venv/bin/python -m tidegate.benchmarks.engine.grammar_engines
             [--out benchmarks/results/engine/grammar_engines_cpu.json] [--threads N (all CPUs)]
             [--steps 600] [--steps-batch1 3000] [--batch 256] [--rounds 3] [--warmup 5]
             [--engines llguidance,xgrammar]
@@ -69,6 +69,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
+from tidegate.benchmarks.harness import record
 from tidegate.model_files.model_source import resolve_model
 from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
 from tidegate.structured.grammar import json_schema_grammar
@@ -618,8 +619,8 @@ def main() -> None:
 
     results = {
         "benchmark": "grammar_engines",
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpus": os.cpu_count(), "python": platform.python_version(),
+        **record.record(),
+        "machine": {**record.machine(), "processor": platform.processor(),
                     "numpy": np.__version__, "loadavg_at_start": load_at_start,
                     "loadavg_at_end": os.getloadavg()},
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

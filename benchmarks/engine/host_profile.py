@@ -16,9 +16,9 @@ workload (1000 prompts of 256 tokens, 256 output tokens each, all submitted at o
   profiled  under cProfile: the functions with the most own time (the profiler slows Python
             code several times, small calls most: read shares, not absolute times).
 
-    python benchmarks/engine/host_profile.py --device cuda --model random:llama-3-8b --quantize fp8 \\
+    python -m tidegate.benchmarks.engine.host_profile --device cuda --model random:llama-3-8b --quantize fp8 \\
         --kv-cache-dtype fp8 --out $OUT/host_profile.json
-    python benchmarks/engine/host_profile.py --device cpu --model random:tiny --num 1000 --output-len 64
+    python -m tidegate.benchmarks.engine.host_profile --device cpu --model random:tiny --num 1000 --output-len 64
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import json
 import pstats
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from tidegate.benchmarks.harness import record  # noqa: E402
 from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from tidegate.worker.engine.sampler import SamplerLaunch, SamplerOutput  # noqa: E402
@@ -261,7 +261,7 @@ def main() -> None:
     print("profiled", json.dumps({k: round(v, 3) for k, v in profiled.items()}))
     for row in top[:25]:
         print(f"{row['own_s']:8.3f} {row['cum_s']:8.3f} {row['calls']:8d}  {row['function']}")
-    result = {"command": " ".join(sys.argv), "args": vars(args), "timed": timed,
+    result = {**record.record(), "args": vars(args), "timed": timed,
               "phases": phased, "profiled": profiled, "top_own": top}
     Path(args.out).write_text(json.dumps(result, indent=2))
 

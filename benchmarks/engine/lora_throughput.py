@@ -19,12 +19,12 @@ Per run: output tok/s, its ratio to the base's, the mean step time. On CUDA also
 time of one batch-1 and one full-batch decode step (its CUDA graph replayed) with and without
 adapters.
 
-    python benchmarks/engine/lora_throughput.py write-adapters /tmp/adapters --preset llama-3-8b
-    python benchmarks/engine/lora_throughput.py run --model random:llama-3-8b --adapters /tmp/adapters/* \\
+    python -m tidegate.benchmarks.engine.lora_throughput write-adapters /tmp/adapters --preset llama-3-8b
+    python -m tidegate.benchmarks.engine.lora_throughput run --model random:llama-3-8b --adapters /tmp/adapters/* \\
         --out $OUT/lora_offline_h200.json
     # this CPU machine
-    python benchmarks/engine/lora_throughput.py write-adapters /tmp/adapters --preset tiny --count 3
-    python benchmarks/engine/lora_throughput.py run --model random:tiny --adapters /tmp/adapters/* \\
+    python -m tidegate.benchmarks.engine.lora_throughput write-adapters /tmp/adapters --preset tiny --count 3
+    python -m tidegate.benchmarks.engine.lora_throughput run --model random:tiny --adapters /tmp/adapters/* \\
         --device cpu --requests 24 --max-num-seqs 8 --input-len 32 --output-len 16
 """
 
@@ -37,7 +37,6 @@ import json
 import pstats
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from tidegate.benchmarks.harness import record  # noqa: E402
 from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loaded = load_model(args.model, device=device, dtype=dtype)
     names = [Path(p).name for p in args.adapters]
     results: dict[str, Any] = {
-        "command": " ".join(sys.argv), "model": args.model, "device": device,
+        **record.record(), "model": args.model, "device": device,
         "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "torch": torch.__version__, "adapters": names,
         "shape": {"requests": args.requests, "input_len": args.input_len,

@@ -11,10 +11,10 @@ Per layout (``--layouts 1x1 2x1 1x2``, TP x PP): one engine, warmed up, then on 
 The targets (issue: the multi-GPU run, on two H200s): Llama-3-8B shape TP=2 batch-1 >= 1.7x
 TP=1; PP=2 throughput >= 1.6x one device; Llama-3-70B shape TP=2 batch-1 MBU >= 75%.
 
-    python benchmarks/engine/parallel_throughput.py --model random:llama-3-8b --device cuda \\
+    python -m tidegate.benchmarks.engine.parallel_throughput --model random:llama-3-8b --device cuda \\
         --layouts 1x1 2x1 1x2 --copy-gbps 4000 --out $OUT/parallel_8b.json
     # this CPU machine (gloo): the mechanism, not the speed
-    python benchmarks/engine/parallel_throughput.py --model random:smollm2-135m --layouts 1x1 3x1 1x2 \\
+    python -m tidegate.benchmarks.engine.parallel_throughput --model random:smollm2-135m --layouts 1x1 3x1 1x2 \\
         --requests 16 --input-len 64 --output-len 32 --single-output-len 32 --max-num-seqs 16
 """
 
@@ -65,7 +65,7 @@ def run(engine: Engine, reqs: list[list[int]], output_len: int, tag: str) -> tup
 
 
 def weight_bytes(engine: Engine) -> int:
-    model = engine.runner.runner.model if engine.group is not None else engine.runner.model
+    model = engine.runner.runner.model if engine.runner.ranks > 1 else engine.runner.model
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 

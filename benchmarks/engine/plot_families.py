@@ -1,7 +1,7 @@
 """Plot ``benchmarks/results/engine/families.json``: each family's offline throughput and batch-1
 decode on the H200, the rows of one call side by side.
 
-    python benchmarks/engine/plot_families.py benchmarks/results/engine/families.json \
+    python -m tidegate.benchmarks.engine.plot_families benchmarks/results/engine/families.json \
         --out benchmarks/results/engine/families.png
 """
 

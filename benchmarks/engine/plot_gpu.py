@@ -5,7 +5,7 @@ target, offline 1000 x 256/256 output tok/s against its target, and one decode s
 projections (32 layers + LM head in one CUDA graph) as cuBLAS and as the fused kernels, against
 the read-bandwidth floor.
 
-    python benchmarks/engine/plot_gpu.py
+    python -m tidegate.benchmarks.engine.plot_gpu
 """
 
 from __future__ import annotations

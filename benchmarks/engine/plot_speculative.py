@@ -3,7 +3,7 @@ step's cost against a decode step's (speculation with a free draft pays while it
 1 + a K, the tokens a verify step gives at acceptance a), and with drafts that are never kept,
 the governor's and forced speculation's tok/s against plain decoding.
 
-    python benchmarks/engine/plot_speculative.py benchmarks/results/engine/speculative_h200.json \\
+    python -m tidegate.benchmarks.engine.plot_speculative benchmarks/results/engine/speculative_h200.json \\
         --out benchmarks/results/engine/speculative_h200.png
 """
 

@@ -5,7 +5,7 @@ weights shipped, so every method re-quantizes already 4-bit weights) into a comp
 directory with the real command, then ``tidegate eval-ppl`` scores one text on the packed GGUF
 and on each checkpoint, same windows, same threads. GPTQ and AWQ calibrate on a different text.
 
-    python benchmarks/engine/quantize_ppl.py --out benchmarks/results/engine/quantize_ppl.json
+    python -m tidegate.benchmarks.engine.quantize_ppl --out benchmarks/results/engine/quantize_ppl.json
 
 ``--only fp8`` (repeatable) runs those methods (and the source again) and merges their rows
 into ``--out``, replacing rows of the same label.
@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tidegate.benchmarks.harness import record
 
 EVAL_TEXT = "/usr/share/common-licenses/GPL-3"
 CALIBRATION_TEXT = "/usr/share/common-licenses/GPL-2"
@@ -68,14 +70,14 @@ def main() -> None:
             rows.append({"method": label, "quantize": written, "quantize_s": quantize_s, **ppl,
                          "ppl_delta": ppl["ppl"] - base["ppl"]})  # type: ignore[operator]
             print(rows[-1], flush=True)
-    result = {"command": " ".join(sys.argv), "text": args.text,
+    result = {**record.record(), "text": args.text,
               "calibration": CALIBRATION_TEXT, "rows": rows}
     if args.only and Path(args.out).exists():  # earlier rows stay, in their order
         result = json.loads(Path(args.out).read_text())
         fresh = {row["method"]: row for row in rows}
         result["rows"] = [fresh.pop(row["method"], row) for row in result["rows"]]
         result["rows"] += list(fresh.values())
-        result.setdefault("merged_runs", []).append(" ".join(sys.argv))
+        result.setdefault("merged_runs", []).append(record.command())
     Path(args.out).write_text(json.dumps(result, indent=1))
     for row in rows:
         print(f"{row['method']:<28} ppl {row['ppl']:8.3f}  {row['weights']}, "

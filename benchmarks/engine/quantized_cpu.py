@@ -18,7 +18,7 @@ set), ``tidegate eval-ppl`` on --ppl-text in both activation modes (--no-ppl ski
 where a decode step's time goes at batch 32 and longer contexts (--no-attention skips it): the
 step, and the paged attention kernel alone over the same cache, with float32 and int8 KV.
 
-Usage:  python benchmarks/engine/quantized_cpu.py [--threads 2] [--repeats 3] [--no-mixed] [--no-ppl]
+Usage:  python -m tidegate.benchmarks.engine.quantized_cpu [--threads 2] [--repeats 3] [--no-mixed] [--no-ppl]
             [--out benchmarks/results/engine/quantized_cpu.json] [--plot benchmarks/results/engine/quantized_cpu.png]
 llama.cpp: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON" \\
            pip install --no-deps llama-cpp-python diskcache   (the native build crashed here)
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -41,6 +40,7 @@ from pathlib import Path
 import torch
 
 from tidegate.benchmarks.engine.engine_cpu import mixed_workload, run_tidegate  # noqa: E402
+from tidegate.benchmarks.harness import record
 from tidegate.benchmarks.harness.greedy import PROMPTS, first_divergence, generate
 from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
@@ -261,10 +261,8 @@ def main() -> None:
         return sorted(runs, key=score)[len(runs) // 2], [round(score(v), 2) for v in runs]
 
     report: dict[str, object] = {
-        "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-        "machine": {"cpu": platform.processor() or platform.machine(),
-                    "threads": args.threads, "torch": torch.__version__,
-                    "python": platform.python_version()},
+        **record.record(),
+        "machine": {**record.machine(), "cpu": record.cpu_model(), "threads": args.threads},
         "model": str(packed.source.path.name), "prompt_tokens": len(prompt),
         "weight_mb": {"packed": round(packed.weight_bytes() / 1e6, 1),
                       "float32": round(dequantized.weight_bytes() / 1e6, 1)},

@@ -8,7 +8,7 @@ tokens per verify chunk. The issue's targets on this CPU, default model: batch 1
 plain; batch 32 never slower than plain. Speculation runs as a worker runs it: where the
 engine measures it faster (``SpeculationGovernor``). The GPU's figures: speculative_gpu.py.
 
-    python benchmarks/engine/speculative.py --batches 1 32 --out benchmarks/results/engine/speculative_cpu.json
+    python -m tidegate.benchmarks.engine.speculative --batches 1 32 --out benchmarks/results/engine/speculative_cpu.json
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from tidegate.worker.models.loaders.loader import load_model  # noqa: E402
+from tidegate.worker.speculative.speculative_engine import speculative_engine  # noqa: E402
 
 TEXTS = [
     "The committee approved the new budget for the harbour bridge, which will be repainted in "
@@ -83,7 +84,7 @@ def main() -> None:
     for n, batch in enumerate(args.batches):
         row: dict[str, object] = {"batch": batch}
         for mode in ("plain", "ngram"):  # the same prompts for both
-            engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
+            engine = speculative_engine(loaded.model, loaded.tokenizer, EngineConfig(
                 max_model_len=2048, max_num_seqs=max(batch, 1), num_blocks=2048,
                 max_num_batched_tokens=max(512, batch * (args.k + 1)),
                 speculative=None if mode == "plain" else "ngram",

@@ -18,8 +18,8 @@ mechanism's costs are what is measured), one CUDA device:
   gives 1 + a K tokens); then the governor (``SpeculationGovernor``) with drafts that are
   never kept, which it should switch off: its tok/s against plain and forced speculation.
 
-    python benchmarks/engine/speculative_gpu.py --out $OUT/speculative_gpu.json
-    python benchmarks/engine/speculative_gpu.py --device cpu --model random:tiny --draft random:tiny \
+    python -m tidegate.benchmarks.engine.speculative_gpu --out $OUT/speculative_gpu.json
+    python -m tidegate.benchmarks.engine.speculative_gpu --device cpu --model random:tiny --draft random:tiny \
         --batches 1 4 --max-tokens 16      # the script itself, checked on a CPU
 """
 
@@ -32,11 +32,13 @@ from pathlib import Path
 
 import torch  # noqa: E402
 
+from tidegate.benchmarks.harness import record  # noqa: E402
 from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from tidegate.worker.engine.sequence import Sequence  # noqa: E402
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model  # noqa: E402
 from tidegate.worker.speculative.speculation_governor import SpeculationGovernor  # noqa: E402
+from tidegate.worker.speculative.speculative_engine import speculative_engine  # noqa: E402
 
 # Where the run is (set once by main): the device, the weights' dtype, the prompts' largest id.
 DEVICE: dict[str, object] = {"name": "cuda", "dtype": torch.bfloat16, "vocab": 30000}
@@ -115,7 +117,7 @@ def generate(engine: Engine, batch: list[list[int]], max_tokens: int, tag: str
 
 
 def verify_cost(target: LoadedModel, k: int) -> dict[str, float]:
-    engine = Engine(target.model, target.tokenizer, config(1, k, async_output=False))
+    engine = speculative_engine(target.model, target.tokenizer, config(1, k, async_output=False))
     engine.governor = FORCED
     engine.add_request(EngineRequest("v", prompts(1, 512, 1)[0], SamplingParams(
         max_tokens=1500, temperature=0.0, ignore_eos=True)))
@@ -140,8 +142,8 @@ def with_draft(target: LoadedModel, draft: LoadedModel, k: int, batch: list[list
                max_tokens: int, tag: str) -> tuple[Engine, float, Timed]:
     """Batch 1 drafting with ``draft`` in every step, after a warm-up: the engine, the
     seconds the batch took and the draft's share of them."""
-    engine = Engine(target.model, target.tokenizer, config(1, k, speculative="draft"),
-                    draft=draft.model)
+    engine = speculative_engine(target.model, target.tokenizer, config(1, k, speculative="draft"),
+                                draft=draft.model)
     engine.governor = FORCED
     generate(engine, prompts(1, 128, 3), 16, "warm")
     engine.reset_stats()
@@ -225,7 +227,7 @@ def breakeven(target: LoadedModel, k: int, batches: list[int], max_tokens: int
     it pays while the ratio is below that. Then the governor at each batch size with drafts
     that are never kept (it should switch them off: tok/s near plain's), against plain
     decoding and speculating in every step."""
-    engine = Engine(target.model, target.tokenizer, config(max(batches), k))
+    engine = speculative_engine(target.model, target.tokenizer, config(max(batches), k))
     generate(engine, prompts(2, 128, 3), 16, "warm")
     costs = []
     for b in batches:
@@ -276,7 +278,8 @@ def main() -> None:
     target = load_model(args.model, device=DEVICE["name"], dtype=DEVICE["dtype"])
     DEVICE["vocab"] = min(30000, target.config.vocab_size)
     name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
-    result: dict[str, object] = {"model": args.model, "device": name, "args": vars(args)}
+    result: dict[str, object] = {**record.record(), "model": args.model, "device": name,
+                                 "args": vars(args)}
 
     def save() -> None:
         if args.out:

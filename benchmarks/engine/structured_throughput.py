@@ -25,14 +25,14 @@ grammar masks' host time per step that computed masks and per masked row
 checked against its schema (``tidegate.benchmarks.harness.json_check``). On CUDA also: the device time of
 one full decode step (its CUDA graph replayed) and of the mask kernel over 256 rows.
 
-    python benchmarks/engine/structured_throughput.py write-model /tmp/llama8b-smollm2 \\
+    python -m tidegate.benchmarks.engine.structured_throughput write-model /tmp/llama8b-smollm2 \\
         --preset llama-3-8b --tokenizer .tokenizers/smollm2
-    python benchmarks/engine/structured_throughput.py run --model /tmp/llama8b-smollm2 \\
+    python -m tidegate.benchmarks.engine.structured_throughput run --model /tmp/llama8b-smollm2 \\
         --out $OUT/structured_offline.json
     # this CPU machine: a tiny shape with the real tokenizer and logits width
-    python benchmarks/engine/structured_throughput.py write-model /tmp/tiny-smollm2 --preset tiny \\
+    python -m tidegate.benchmarks.engine.structured_throughput write-model /tmp/tiny-smollm2 --preset tiny \\
         --vocab-size 128256 --tokenizer smollm2
-    python benchmarks/engine/structured_throughput.py run --model /tmp/tiny-smollm2 --requests 32 \\
+    python -m tidegate.benchmarks.engine.structured_throughput run --model /tmp/tiny-smollm2 --requests 32 \\
         --max-num-seqs 16 --input-len 32 --output-len 32
 """
 
@@ -46,7 +46,6 @@ import random
 import re
 import shutil
 import statistics
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -56,6 +55,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from tidegate.benchmarks.harness import record  # noqa: E402
 from tidegate.benchmarks.harness.json_check import check_outputs, formats_from_file  # noqa: E402
 from tidegate.model_files.model_source import resolve_model  # noqa: E402
 from tidegate.model_files.tokenizer import load_tokenizer  # noqa: E402
@@ -301,7 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     schema_set = formats_from_file(Path(args.schema_set)) if args.schema_set else []
     kinds = [k for k in args.runs if k != "mixed" or schema_set]
     results: dict[str, Any] = {
-        "command": " ".join(sys.argv), "model": args.model, "device": device,
+        **record.record(), "model": args.model, "device": device,
         "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "torch": torch.__version__, "logits_width": loaded.config.vocab_size,
         "tokenizer_vocab": tokenizer.vocab_size, "load_s": loaded.load_s,

@@ -11,19 +11,17 @@ way (it exited by itself) is reported by ``unexpected_exits``.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
+from tidegate.benchmarks.harness.processes import free_port, http_ready, log_tail
+from tidegate.benchmarks.harness.redis_server import redis_answers, redis_argv
 from tidegate.benchmarks.harness.stack import (
     TIDEGATE,
     Stack,
     StackConfig,
     StackError,
     base_env,
-    free_port,
-    http_ready,
-    log_tail,
     worker_env,
 )
 
@@ -39,13 +37,11 @@ class ChaosStack(Stack):
     def _start_redis(self) -> None:
         data = self.logdir / "redis-data"
         data.mkdir(exist_ok=True)
-        exe = shutil.which(self.cfg.redis_server) or self.cfg.redis_server
-        self._start("redis", [exe, "--port", str(self.redis_port), "--bind", "127.0.0.1",
-                              "--save", "", "--appendonly", "yes", "--appendfsync", "always",
-                              "--dir", str(data), "--protected-mode", "no",
-                              "--maxclients", "60000"], dict(os.environ))
+        self._start("redis", redis_argv(self.cfg.redis_server, self.redis_port, data,
+                                        appendfsync="always", maxclients=60000),
+                    dict(os.environ))
         deadline = time.monotonic() + 30
-        while not self._redis_answers():  # also while it loads the AOF (-LOADING)
+        while not redis_answers(self.redis_port):  # also while it loads the AOF (-LOADING)
             self._alive_or_raise("redis")
             if time.monotonic() > deadline:
                 raise StackError("redis-server did not answer within 30 s\n"

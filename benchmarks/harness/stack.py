@@ -9,11 +9,8 @@ should that be killed outright (``PR_SET_PDEATHSIG``).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,11 +20,22 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tidegate.benchmarks.harness.processes import (
+    cpu_seconds,
+    free_port,
+    http_ready,
+    log_tail,
+    spawn,
+    stop_processes,
+)
+from tidegate.benchmarks.harness.redis_server import redis_answers, redis_argv
 from tidegate.benchmarks.harness.workload import Work
 
-ROOT = Path(__file__).resolve().parents[2]
 TIDEGATE = [sys.executable, "-m", "tidegate"]
-PR_SET_PDEATHSIG = 1
+# Re-exported: the stack's users import the process helpers from here as well.
+__all__ = ["TIDEGATE", "Stack", "StackConfig", "StackError", "base_env", "cpu_seconds",
+           "free_port", "http_ready", "log_tail", "run_engine_alone", "spawn", "stop_processes",
+           "worker_env", "worker_counters"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +56,6 @@ class StackConfig:
     startup_timeout_s: float
     extra_env: dict[str, str] = field(default_factory=dict)
     worker_args: tuple[str, ...] = ()  # more of the worker's command line (e.g. --lora N=P)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env(cfg: StackConfig, redis_url: str) -> dict[str, str]:
@@ -86,41 +88,6 @@ def worker_env(cfg: StackConfig, index: int, redis_url: str, metrics_port: int) 
     return {**env, **cfg.extra_env}
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: Ctrl-C and exceptions still stop everything
-
-
-def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    """A child in its own session, output to ``log_path``, killed if the benchmark dies."""
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_die_with_parent)
-
-
-def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 40) -> None:
-    """SIGTERM all, then wait for each (SIGKILL past ``timeout_s``: a worker drains up to 30 s)."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all its threads) so far, from ``/proc/<pid>/stat``."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 # The worker's own accounting of its time (worker/service/metrics.py), read from its /metrics.
 WORKER_TIME_METRICS = ("tidegate_engine_step_seconds_total",
                        "tidegate_engine_host_cpu_seconds_total",
@@ -143,21 +110,6 @@ def worker_counters(port: int) -> dict[str, float]:
         if name in WORKER_TIME_METRICS:
             found[name.removeprefix("tidegate_").removesuffix("_total")] = float(value)
     return found
-
-
-def http_ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as answer:
-            return answer.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 class StackError(RuntimeError):
@@ -201,27 +153,16 @@ class Stack:
     def _start_redis(self) -> None:
         data = self.logdir / "redis-data"
         data.mkdir(exist_ok=True)
-        exe = shutil.which(self.cfg.redis_server) or self.cfg.redis_server
-        persistence = (["--appendonly", "yes", "--appendfsync", "everysec"] if self.cfg.aof
-                       else ["--appendonly", "no"])
-        self._start("redis", [exe, "--port", str(self.redis_port), "--bind", "127.0.0.1",
-                              "--save", "", *persistence, "--dir", str(data),
-                              "--protected-mode", "no", "--maxclients", "60000"], dict(os.environ))
+        argv = redis_argv(self.cfg.redis_server, self.redis_port, data,
+                          appendfsync="everysec" if self.cfg.aof else None, maxclients=60000)
+        self._start("redis", argv, dict(os.environ))
         deadline = time.monotonic() + 20
-        while not self._redis_answers():
+        while not redis_answers(self.redis_port):
             self.check_alive()
             if time.monotonic() > deadline:
                 raise StackError("redis-server did not answer within 20 s\n"
                                  + log_tail(self.log_path("redis")))
             time.sleep(0.05)
-
-    def _redis_answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.redis_port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
 
     def log_path(self, name: str) -> Path:
         return self.logdir / f"{name}.log"

@@ -7,7 +7,7 @@ the same row-wise scales (``torch._scaled_mm``, per-token activation and per-cha
 scales, on the same e4m3 operands) and cuBLAS's bf16 GEMM (``F.linear``, what the engine runs
 for bf16 weights). Each timing is the median of CUDA-event-timed repeats after a warm-up.
 
-    python benchmarks/kernels/fp8_gemm_sweep.py --out $OUT/fp8_gemm.json
+    python -m tidegate.benchmarks.kernels.fp8_gemm_sweep --out $OUT/fp8_gemm.json
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import triton
 ROOT = Path(__file__).resolve().parents[2]
 
 from tidegate.benchmarks.engine.gpu_throughput import cuda_time_ms  # noqa: E402
+from tidegate.benchmarks.harness import record  # noqa: E402
 from tidegate.kernels.gpu.fp8_linear_triton import (  # noqa: E402
     Fp8GemmConfig,
     default_config,
@@ -99,7 +100,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--rows", nargs="*", type=int, default=[256, 1000, 4096, 16384])
     args = ap.parse_args()
-    result: dict[str, object] = {"device": torch.cuda.get_device_name(),
+    result: dict[str, object] = {**record.record(), "device": torch.cuda.get_device_name(),
                                  "torch": torch.__version__, "triton": triton.__version__,
                                  "sweep": {}}
     t0 = time.time()

@@ -17,7 +17,7 @@ script finds the tile per projection shape and shows what a whole step's project
 Every timing replays a CUDA graph of calls on rotating weight copies (more bytes than the 60 MB
 L2), so launch gaps inside a graph count and the L2 serves no weights.
 
-    python benchmarks/kernels/gemv_sweep.py --out $OUT/gemv.json
+    python -m tidegate.benchmarks.kernels.gemv_sweep --out $OUT/gemv.json
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from triton.language.extra.cuda import gdc_wait
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from tidegate.benchmarks.harness import record  # noqa: E402
 from tidegate.kernels.gpu.activation_triton import silu_and_mul_triton  # noqa: E402
 from tidegate.kernels.gpu.linear_triton import SkinnyConfig, skinny_linear_triton  # noqa: E402
 from tidegate.kernels.gpu.rmsnorm_triton import rms_norm_triton  # noqa: E402
@@ -311,7 +312,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("gemv.json"))
     ap.add_argument("--shapes", nargs="*", default=list(MODEL_SHAPES))
     args = ap.parse_args()
-    result: dict[str, object] = {"device": torch.cuda.get_device_name(),
+    result: dict[str, object] = {**record.record(), "device": torch.cuda.get_device_name(),
                                  "torch": torch.__version__, "triton": triton.__version__}
     t0 = time.time()
     for section in args.only:

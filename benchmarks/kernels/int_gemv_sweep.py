@@ -13,7 +13,7 @@ has none) and what that one streams.
 Every timing replays a CUDA graph of calls on rotating weight copies (more bytes than the 60 MB
 L2), so the L2 serves no weights (``gemv_sweep.graph_time_us``).
 
-    python benchmarks/kernels/int_gemv_sweep.py --out $OUT/int_gemv.json
+    python -m tidegate.benchmarks.kernels.int_gemv_sweep --out $OUT/int_gemv.json
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from tidegate.benchmarks.harness import record  # noqa: E402
 from tidegate.benchmarks.kernels.gemv_sweep import graph_time_us  # noqa: E402
 from tidegate.kernels.gpu.int_gemv_triton import IntGemvConfig  # noqa: E402
 from tidegate.kernels.gpu.int_gemv_triton import default_config as gemv_default  # noqa: E402
@@ -186,7 +187,7 @@ def main() -> None:
     ap.add_argument("--formats", nargs="*", default=list(FORMATS))
     ap.add_argument("--rows", nargs="*", type=int, default=[1, 4])
     args = ap.parse_args()
-    result: dict[str, object] = {"device": torch.cuda.get_device_name(),
+    result: dict[str, object] = {**record.record(), "device": torch.cuda.get_device_name(),
                                  "torch": torch.__version__, "triton": triton.__version__,
                                  "sweep": {}}
     t0 = time.time()

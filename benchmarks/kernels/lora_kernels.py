@@ -2,7 +2,7 @@
 8 rank-16 adapters in bf16, rows spread uniformly over them) per tile configuration, beside the
 base projections' GEMMs on the same rows. It chose ``tidegate.kernels.gpu.lora_triton``'s tile constants.
 
-    python benchmarks/kernels/lora_kernels.py --out $OUT/lora_kernels_h200.json
+    python -m tidegate.benchmarks.kernels.lora_kernels --out $OUT/lora_kernels_h200.json
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import triton.testing
 ROOT = Path(__file__).resolve().parents[2]
 
 import tidegate.kernels.gpu.lora_triton as lt  # noqa: E402
+from tidegate.benchmarks.harness import record  # noqa: E402
 from tidegate.kernels.ops import lora_rows  # noqa: E402
 from tidegate.kernels.reference.lora import LoraStack  # noqa: E402
 
@@ -109,7 +110,7 @@ def main() -> None:
     for name, value in defaults.items():
         setattr(lt, name, value)
     if args.out:
-        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(),
+        Path(args.out).write_text(json.dumps({**record.record(), "device": torch.cuda.get_device_name(),
                                               "adapters": args.adapters, "rank": args.rank,
                                               "rows": rows}, indent=1))
 

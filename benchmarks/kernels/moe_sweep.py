@@ -4,7 +4,7 @@ token, a decode step of 1024 sequences and a prefill step of 16384 tokens (bf16,
 weights), with the bytes and FLOPs each call must move against the copy bandwidth and the
 tensor-core peak.
 
-    python3 benchmarks/kernels/moe_sweep.py --out moe_sweep.json
+    python3 -m tidegate.benchmarks.kernels.moe_sweep --out moe_sweep.json
 """
 
 from __future__ import annotations

@@ -23,11 +23,11 @@ requests are deterministic). Redis is checked at the end too: no entry pending, 
 and every job's stored event stream replayed through the same checker.
 
     # the benchmark (benchmarks/results/serving/chaos.md, run C)
-    python benchmarks/serving/chaos.py --jobs 500 --workers 3 --concurrency 48 --max-tokens 150 1000 \\
+    python -m tidegate.benchmarks.serving.chaos --jobs 500 --workers 3 --concurrency 48 --max-tokens 150 1000 \\
         --worker-kills 24 --redis-restarts 4 --gateway-restarts 3 --chaos-s 240 \\
         --visibility-timeout-s 8 --out benchmarks/results/serving/chaos.json
     # a short run (tests/e2e/test_chaos.py runs one like it)
-    python benchmarks/serving/chaos.py --jobs 40 --workers 3 --concurrency 24 --max-tokens 80 400 \\
+    python -m tidegate.benchmarks.serving.chaos --jobs 40 --workers 3 --concurrency 24 --max-tokens 80 400 \\
         --worker-kills 4 --redis-restarts 2 --gateway-restarts 1 --chaos-s 20 \\
         --visibility-timeout-s 8
 
@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[2]
 import redis  # noqa: E402
 
 from tidegate import keys  # noqa: E402
+from tidegate.benchmarks.harness import record  # noqa: E402
 from tidegate.benchmarks.harness.chaos_monkey import ChaosMonkey, ChaosPlan  # noqa: E402
 from tidegate.benchmarks.harness.chaos_stack import ChaosStack  # noqa: E402
 from tidegate.benchmarks.harness.patient_client import GaveUp, PatientClient  # noqa: E402
@@ -472,8 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from(args)
     logdir = args.logdir or Path(tempfile.mkdtemp(prefix="tidegate-chaos-"))
     report = asyncio.run(run_chaos(cfg, logdir))
-    report["command"] = "python benchmarks/serving/chaos.py " + " ".join(sys.argv[1:] if argv is None
-                                                                  else argv)
+    report["record"] = record.record(argv, __spec__.name)
+    report["command"] = report["record"]["command"]
     report["machine"] = f"{platform.node()} {platform.machine()}, {_cores()} cores"
     if args.out:  # the figures; every job's outcome stays in the log directory's report.json
         args.out.write_text(json.dumps({k: v for k, v in report.items() if k != "outcomes"},

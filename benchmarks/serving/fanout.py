@@ -6,8 +6,8 @@ R events/s spread over the M jobs; every event carries
 its publish time, so each client measures publish -> receive latency. Reported per N:
 delivered messages/s, latency p50/p99, the gateway's CPU and its memory per connection.
 
-    python benchmarks/serving/fanout.py                       # 1k, 5k, 10k clients, 20k msg/s
-    python benchmarks/serving/fanout.py --connections 2000 --delivered 5000 --duration 10
+    python -m tidegate.benchmarks.serving.fanout                       # 1k, 5k, 10k clients, 20k msg/s
+    python -m tidegate.benchmarks.serving.fanout --connections 2000 --delivered 5000 --duration 10
 
 The clients run in separate processes (``--client-procs``) so the gateway process is measured
 alone; all of it shares this machine's cores, so client and publisher CPU is part of the load.
@@ -31,11 +31,19 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from tidegate.events.event_log import EventBatch, EventLog  # noqa: E402
-from tidegate.jobstore import enqueue  # noqa: E402
-from tidegate.protocol import DoneEvent, JobRequest, Timings, Usage, token_event_json  # noqa: E402
+from tidegate.benchmarks.harness import record
+from tidegate.benchmarks.harness.processes import (
+    ROOT,
+    cpu_seconds,
+    free_port,
+    http_ready,
+    safe_env,
+    wait_until,
+)
+from tidegate.benchmarks.harness.redis_server import RedisServer
+from tidegate.events.event_log import EventBatch, EventLog
+from tidegate.jobstore import enqueue
+from tidegate.protocol import DoneEvent, JobRequest, Timings, Usage, token_event_json
 
 
 def raise_file_limit() -> int:
@@ -47,11 +55,6 @@ def raise_file_limit() -> int:
 # ---------------------------------------------------------------- processes
 
 
-def proc_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def proc_rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -59,30 +62,18 @@ def proc_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def start_redis(port: int, workdir: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly",
-                             "no", "--dir", str(workdir), "--maxclients", "50000"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(0.5)
-    return proc
-
-
 def start_gateway(port: int, redis_url: str) -> subprocess.Popen:
-    env = {**os.environ, "TIDEGATE_REDIS_URL": redis_url, "TIDEGATE_LOG_LEVEL": "WARNING",
-           "TIDEGATE_PORT": str(port)}
+    env = safe_env(TIDEGATE_REDIS_URL=redis_url, TIDEGATE_LOG_LEVEL="WARNING",
+                   TIDEGATE_PORT=str(port))
     proc = subprocess.Popen([sys.executable, "-m", "tidegate", "gateway", "--port", str(port)],
                             env=env, cwd=ROOT)
-    import urllib.request
-
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).read()
-            return proc
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the gateway did not start")
+    try:
+        wait_until(lambda: http_ready(f"http://127.0.0.1:{port}/healthz"), 30, "the gateway",
+                   proc=proc, interval_s=0.2)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc
 
 
 # ---------------------------------------------------------------- clients
@@ -306,11 +297,11 @@ async def _run(n: int, jobs_n: int, delivered: float, duration_s: float, procs: 
     await asyncio.sleep(1.0)
     rss1 = proc_rss_mb(gateway_pid)
     rate = delivered * jobs_n / n  # events/s published so that n clients receive `delivered`/s
-    cpu0 = proc_cpu_s(gateway_pid)
+    cpu0 = cpu_seconds(gateway_pid)
     w0 = time.perf_counter()
     sent = await publish_for(redis, jobs, rate, duration_s)
     wall = time.perf_counter() - w0
-    cpu1 = proc_cpu_s(gateway_pid)
+    cpu1 = cpu_seconds(gateway_pid)
     outs = [results.get(timeout=120) for _ in workers]
     for w in workers:
         w.join(30)
@@ -374,16 +365,11 @@ def main() -> None:
     ap.add_argument("--plot", default=str(ROOT / "benchmarks/results/serving/fanout.png"))
     args = ap.parse_args()
     raise_file_limit()
-    from tidegate.benchmarks.harness.stack import free_port
-
-    redis_proc = None
+    redis_server = None
     redis_url = args.redis_url
     if redis_url is None:
-        import tempfile
-
-        port = free_port()
-        redis_proc = start_redis(port, Path(tempfile.mkdtemp()))
-        redis_url = f"redis://127.0.0.1:{port}/0"
+        redis_server = RedisServer(maxclients=50000)
+        redis_url = redis_server.url
     results = []
     try:
         for n in args.connections:
@@ -393,10 +379,10 @@ def main() -> None:
                 print(json.dumps(asdict(r)), flush=True)
                 results.append(r)
     finally:
-        if redis_proc is not None:
-            redis_proc.terminate()
+        if redis_server is not None:
+            redis_server.stop()
     Path(args.out).write_text(json.dumps({
-        "command": " ".join(sys.argv), "cpus": os.cpu_count(),
+        **record.record(), "cpus": os.cpu_count(),
         "results": [asdict(r) for r in results]}, indent=2))
     if args.plot:
         plot(results, Path(args.plot))

@@ -23,6 +23,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from tidegate.benchmarks.harness import record
 from tidegate.benchmarks.serving.fuzzing.http_cases import fuzz_http, operations
 from tidegate.benchmarks.serving.fuzzing.socket_cases import (
     finished_jobs,
@@ -77,7 +78,7 @@ def report(tally: Tally, problems: LogProblems, elapsed_s: float) -> dict[str, o
             "failures": {"server_errors": tally.server_errors, "hangs": tally.hangs,
                          "broken": tally.broken},
             "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "record": record.record()}
 
 
 def main(argv: list[str] | None = None) -> int:

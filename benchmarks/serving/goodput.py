@@ -8,7 +8,7 @@ expired job and stops a running one at its deadline, but admits whatever arrives
 are free. Reported per rate and mode: goodput, share admitted, rejection latency (submit ->
 rejected event) p50/p99, TTFT p99 of the jobs that finished in time.
 
-Usage:  python benchmarks/serving/goodput.py [--seconds 25] [--deadline-s 6] [--max-tokens 32]
+Usage:  python -m tidegate.benchmarks.serving.goodput [--seconds 25] [--deadline-s 6] [--max-tokens 32]
                                      [--modes shedding fifo] [--capacity JOBS_PER_S]
                                      [--out benchmarks/results/serving/goodput.json] [--plot PNG]
 """
@@ -20,17 +20,18 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
 from tidegate import keys
+from tidegate.benchmarks.harness import record
+from tidegate.benchmarks.harness.processes import safe_env, stop_processes
+from tidegate.benchmarks.harness.redis_server import RedisServer
 from tidegate.jobstore import enqueue, read_result
 from tidegate.model_files.model_source import DEFAULT_MODEL
 from tidegate.model_files.served_model import default_name
@@ -63,20 +64,16 @@ class Stack:
     """redis-server + one worker process, started for one mode."""
 
     def __init__(self, shedding: bool, max_num_seqs: int) -> None:
-        self.dir = tempfile.mkdtemp(prefix="tidegate-goodput-")
-        self.port = 6400 + random.randrange(500)
-        self.redis = subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--save", "",
-             "--appendonly", "no", "--dir", self.dir], stdout=subprocess.DEVNULL)
-        env = {**os.environ, "TIDEGATE_REDIS_URL": self.url, "TIDEGATE_LOAD_SHEDDING":
-               str(shedding).lower(), "TIDEGATE_MAX_NUM_SEQS": str(max_num_seqs),
-               "TIDEGATE_LOG_LEVEL": "WARNING", "TIDEGATE_KV_CACHE_GB": "0.5"}
+        self.redis = RedisServer()
+        env = safe_env(TIDEGATE_REDIS_URL=self.url, TIDEGATE_LOAD_SHEDDING=str(shedding).lower(),
+                       TIDEGATE_MAX_NUM_SEQS=str(max_num_seqs), TIDEGATE_LOG_LEVEL="WARNING",
+                       TIDEGATE_KV_CACHE_GB="0.5")
         self.worker = subprocess.Popen([sys.executable, "-m", "tidegate", "worker"], env=env,
                                        stdout=subprocess.DEVNULL)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return self.redis.url
 
     async def ready(self, r: aioredis.Redis) -> None:
         while True:
@@ -85,14 +82,12 @@ class Stack:
                 if [k async for k in r.scan_iter(match=keys.worker_heartbeat("*"))]:
                     return
             except aioredis.ConnectionError:
-                pass  # redis-server still starting
+                pass  # Redis busy: try again
             await asyncio.sleep(0.2)
 
     def stop(self) -> None:
-        for p in (self.worker, self.redis):
-            p.terminate()
-            p.wait(30)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        stop_processes([self.worker], timeout_s=30)
+        self.redis.stop()
 
 
 async def final(r: aioredis.Redis, job_id: str) -> tuple[JobResult, int]:
@@ -212,7 +207,7 @@ async def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/serving/goodput.json")
     ap.add_argument("--plot", default="benchmarks/results/serving/goodput.png")
     args = ap.parse_args()
-    results = {"multipliers": args.multipliers,
+    results = {**record.record(), "multipliers": args.multipliers,
                "job": {"max_tokens": args.max_tokens, "deadline_s": args.deadline_s}}
     if args.capacity is not None and os.path.exists(args.out):  # add modes to an earlier run
         with open(args.out) as f:

@@ -7,8 +7,8 @@ remembered stream tokens, as a busy API holds). Times are CPU time of this proce
 ``[accepted]`` line, with and without a ``?token=``, and ``connection open``), an access line,
 and a DEBUG frame line with an ``api_key`` (websockets' frame log).
 
-    python benchmarks/serving/log_redaction.py                      # prints a Markdown table
-    python benchmarks/serving/log_redaction.py --keys 1000                # a keys file of 1,000 tenants
+    python -m tidegate.benchmarks.serving.log_redaction                      # prints a Markdown table
+    python -m tidegate.benchmarks.serving.log_redaction --keys 1000                # a keys file of 1,000 tenants
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Plot ``benchmarks/serving/prefix_routing.py`` runs: per run, the time to first token of every job
 (its distribution, routing off against on) with the prefix-cache hit rates in the legend.
 
-    python benchmarks/serving/plot_prefix_routing.py benchmarks/results/serving/prefix_routing_smollm2.json \\
+    python -m tidegate.benchmarks.serving.plot_prefix_routing benchmarks/results/serving/prefix_routing_smollm2.json \\
         benchmarks/results/serving/prefix_routing_smollm2_small_cache.json \\
         --out benchmarks/results/serving/prefix_routing.png
 """

@@ -1,6 +1,6 @@
 """Latency against request rate from several serve.py result files, on one figure.
 
-    python benchmarks/serving/plot_serve.py benchmarks/results/serving/serve_h200.png \
+    python -m tidegate.benchmarks.serving.plot_serve benchmarks/results/serving/serve_h200.png \
         "before (call 2):benchmarks/results/serving/serve_h200_call2.json" \
         "sweep, 600 jobs:benchmarks/results/serving/serve_h200_sweep.json" \
         "final, 1600 jobs:benchmarks/results/serving/serve_h200_poisson.json"
@@ -12,8 +12,8 @@ tokens/s against the rate. Where a run carries the engine alone on the same arri
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 
@@ -70,5 +70,14 @@ def main(out: str, *series: str) -> None:
     print(out)
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="the figure to write (PNG)")
+    ap.add_argument("series", nargs="+", help="label:path of a serve.py result")
+    return ap.parse_args(argv)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    args = parse_args()
+    main(args.out, *args.series)

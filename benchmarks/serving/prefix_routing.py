@@ -9,9 +9,9 @@ rate over all workers (prompt tokens found cached / prompt tokens), each worker'
 jobs and how it took them (routed, shared, stolen), time to first token (created -> first
 token, from the job's result), wall time; and routing's gain over off.
 
-    python benchmarks/serving/prefix_routing.py --model random:tiny --workers 4 \\
+    python -m tidegate.benchmarks.serving.prefix_routing --model random:tiny --workers 4 \\
         --out benchmarks/results/serving/prefix_routing_tiny.json
-    python benchmarks/serving/prefix_routing.py --model smollm2 --workers 2 --kv-cache-gb 0.15 \\
+    python -m tidegate.benchmarks.serving.prefix_routing --model smollm2 --workers 2 --kv-cache-gb 0.15 \\
         --torch-threads 1 --out benchmarks/results/serving/prefix_routing_smollm2.json
 """
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import random
 import statistics
 import sys
@@ -33,6 +32,7 @@ import redis as redis_sync
 from prometheus_client.parser import text_string_to_metric_families
 
 from tidegate import keys  # noqa: E402
+from tidegate.benchmarks.harness import record  # noqa: E402
 from tidegate.benchmarks.harness.stack import Stack, StackConfig  # noqa: E402
 from tidegate.model_files.model_source import resolve_model  # noqa: E402
 from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
@@ -214,9 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"routing {mode}: hit rate {m['hit_rate']:.3f}, TTFT p50 {m['ttft_ms']['p50']} ms "
               f"p90 {m['ttft_ms']['p90']} ms, shares {m['worker_shares']}, wall {m['wall_s']} s, "
               f"done {m['done']}/{m['jobs']}", flush=True)
-    out: dict = {"command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
-                 "machine": {"cpu": platform.processor() or platform.machine(),
-                             "python": platform.python_version()},
+    out: dict = {**record.record(argv, __spec__.name),
                  "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                  "ideal": ideal, "modes": modes}
     if "on" in modes and "off" in modes:

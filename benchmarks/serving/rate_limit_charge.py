@@ -2,7 +2,7 @@
 (the bucket script's EVALSHA, its answer parsed, the headers built) against a plain Redis GET on
 the same client, sequentially and from concurrent callers, on a real redis-server.
 
-    python benchmarks/serving/rate_limit_charge.py --redis-url redis://127.0.0.1:6379/0 --calls 20000
+    python -m tidegate.benchmarks.serving.rate_limit_charge --redis-url redis://127.0.0.1:6379/0 --calls 20000
 
 CPU time (``time.process_time``: this process only) is what a busy API spends; it depends far
 less on what else runs on the machine than throughput does.

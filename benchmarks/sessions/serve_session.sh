@@ -22,20 +22,14 @@ name=${1:?a name for this run}
 shift
 exec > >(tee -a "$OUT/session.log") 2>&1
 
-if compgen -G ".whl/*.whl" >/dev/null; then  # else installed by an earlier call (warm machine)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TIDEGATE_KERNEL_CACHE=/tmp/tidegate-kernels
-ulimit -n 65536 2>/dev/null || ulimit -n 8192
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source benchmarks/sessions/device_session_env.sh
 echo "cores: $(nproc); $(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
 .redisbin/run-redis --version || exit 1
 python3 -c "import redis, hiredis, pydantic, pydantic_settings, starlette, uvicorn, websockets, \
 httptools, gguf, tidegate.commands.cli, tidegate.worker.service.service, tidegate.producer.api, tidegate.streaming.gateway" || exit 1
 
 if [[ -n "${TESTS:-}" ]]; then  # GPU tests first (TESTS="tests/gpu ..."), two minutes at most
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W default $TESTS \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=append" -W default $TESTS \
     --junitxml="$OUT/$name-tests.xml" 2>&1 | tail -25
 fi
 
@@ -52,7 +46,7 @@ if [[ -n "${PROFILE_S:-}" && -x .tools/py-spy ]]; then
 fi
 # Whatever is left of this run's budget (the call's 10 minutes by default, less a margin for
 # packing and the copy back; SESSION_BUDGET_S when a call chains several runs).
-timeout $(( ${SESSION_BUDGET_S:-570} - SECONDS )) python3 benchmarks/serving/serve.py --redis-server .redisbin/run-redis \
+timeout $(( ${SESSION_BUDGET_S:-570} - SECONDS )) python3 -m tidegate.benchmarks.serving.serve --redis-server .redisbin/run-redis \
   --logdir "$logs" --out "$OUT/$name.json" --plot "$OUT/$name.png" "$@"
 status=$?
 tar czf "$OUT/$name-logs.tgz" -C "$logs" . 2>/dev/null

@@ -8,16 +8,15 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-bash benchmarks/sessions/gpu_session.sh none
-export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-export TIDEGATE_KERNEL_CACHE=/tmp/tidegate-kernels
 exec > >(tee -a "$OUT/session.log") 2>&1
+source benchmarks/sessions/device_session_env.sh
+join_default_model
 case ${1:-bench} in
   bench)
-    timeout $(( 570 - SECONDS )) python3 benchmarks/engine/speculative_gpu.py \
+    timeout $(( 570 - SECONDS )) python3 -m tidegate.benchmarks.engine.speculative_gpu \
       --out "$OUT/speculative_gpu.json" ;;
   tests)
-    timeout $(( 570 - SECONDS )) python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    timeout $(( 570 - SECONDS )) python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=append" \
       -W default tests/gpu/test_gpu_speculative.py --junitxml="$OUT/gpu-spec-tests.xml" \
       2>&1 | tail -30 ;;
 esac

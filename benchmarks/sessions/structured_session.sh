@@ -41,7 +41,7 @@ echo "cores: $(nproc); $(python3 -c 'import torch, triton, llguidance as g
 print("torch", torch.__version__, "triton", triton.__version__, "llguidance", g.__version__)')"
 
 MODEL_DIR=${MODEL_DIR:-/tmp/llama8b-smollm2}
-python3 benchmarks/engine/structured_throughput.py write-model "$MODEL_DIR" \
+python3 -m tidegate.benchmarks.engine.structured_throughput write-model "$MODEL_DIR" \
   --preset "${PRESET:-llama-3-8b}" ${VOCAB_SIZE:+--vocab-size "$VOCAB_SIZE"} \
   --tokenizer .tokenizers/smollm2 || exit 1
 schema=/tmp/structured-schema.json
@@ -50,7 +50,7 @@ print(json.dumps(s))' >"$schema" || exit 1
 echo "model directory ready after ${SECONDS}s"
 
 if [[ $what == offline ]]; then
-  timeout $((BUDGET_S - SECONDS)) python3 benchmarks/engine/structured_throughput.py run \
+  timeout $((BUDGET_S - SECONDS)) python3 -m tidegate.benchmarks.engine.structured_throughput run \
     --model "$MODEL_DIR" --device "${DEVICE:-cuda}" \
     --out "$OUT/structured_offline_h200.json" --texts "$OUT/structured_offline_texts.json" "$@"
   exit $?

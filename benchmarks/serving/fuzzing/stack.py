@@ -4,18 +4,16 @@ output (API, gateway and worker) in one log file, on a redis-server of its own o
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from tidegate.benchmarks.harness.processes import ROOT, free_port, safe_env, stop_processes
+from tidegate.benchmarks.harness.redis_server import RedisServer
+
 KEYS = ("tg-fuzz-alpha-7c1e0d9a", "tg-fuzz-bravo-3b8f2e6c")
 MODEL = "random:tiny"
 
@@ -34,28 +32,11 @@ class FuzzStack:
         return {"Authorization": f"Bearer {self.keys[tenant]}"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def redis_server() -> Iterator[str]:
     """A private redis-server on a free port (no persistence); yields its URL."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise RuntimeError("redis-server is not installed")
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="tidegate-fuzz-redis-") as workdir:
-        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--dir", workdir, "--protected-mode", "no"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    with RedisServer() as server:
+        yield server.url
 
 
 @contextlib.contextmanager
@@ -63,8 +44,8 @@ def tidegate_up(redis_url: str, log: Path, *, startup_timeout_s: float = 180,
                 log_level: str = "INFO") -> Iterator[FuzzStack]:
     """The stack, up once its worker heartbeats; stopped (SIGTERM, then SIGKILL) on exit."""
     port = free_port()
-    env = {**os.environ, "TIDEGATE_API_KEYS": ",".join(KEYS),
-           "TIDEGATE_LOG_LEVEL": log_level, "TIDEGATE_METRICS_PORT": str(free_port())}
+    env = safe_env(TIDEGATE_API_KEYS=",".join(KEYS), TIDEGATE_LOG_LEVEL=log_level,
+                   TIDEGATE_METRICS_PORT=str(free_port()))
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tidegate", "up", "--redis-url", redis_url,
@@ -78,9 +59,4 @@ def tidegate_up(redis_url: str, log: Path, *, startup_timeout_s: float = 180,
                 time.sleep(0.2)
             yield FuzzStack(f"http://127.0.0.1:{port}", log)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            stop_processes([proc], timeout_s=60)
