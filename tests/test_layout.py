@@ -1,7 +1,8 @@
 """The import direction and the folders, read from the source: roles import ``tidegate`` and
 never each other, the worker alone imports ``kernels``, ``kernels`` imports nothing of ours,
 only the composition root (``tidegate.commands``) imports the roles, no two modules import each
-other round a circle, and every package says what it owns.
+other round a circle, no two sibling folders import each other both ways, and every package
+says what it owns.
 
 Every import counts: at the top, inside a function (a lazy import still ties the modules) and
 under ``TYPE_CHECKING``.
@@ -147,6 +148,45 @@ def circles(root: Path) -> list[list[str]]:
     return found
 
 
+def _room(module: str, packages: set[str], depth: int) -> str | None:
+    """The folder ``module`` lies in at ``depth`` dots below the top (its subfolders count as
+    part of it); None where that level is a module of the folder above, not a folder."""
+    parts = module.split(".")
+    if len(parts) <= depth:
+        return None
+    room = ".".join(parts[: depth + 1])
+    return room if room in packages else None
+
+
+def folder_ties(root: Path) -> list[str]:
+    """Each pair of sibling folders (under one package) that import each other both ways,
+    with one import each way. A folder's own modules and its subfolders are one room: a parent
+    importing its child and the child the parent's files is no tie. The composition root
+    imports every role, so it is left out."""
+    known = modules(root)
+    packages = {name for name, path in known.items() if path.name == "__init__.py"}
+    ways: dict[tuple[str, str], Import] = {}
+    for imp in imports(root):
+        if _in(imp.importer, COMPOSITION_ROOT) or _in(imp.imported, COMPOSITION_ROOT):
+            continue
+        a, b = imp.importer.split("."), imp.imported.split(".")
+        depth = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if depth is None:
+            continue  # one contains the other: the same room
+        rooms = (_room(imp.importer, packages, depth), _room(imp.imported, packages, depth))
+        if rooms[0] is not None and rooms[1] is not None:
+            ways.setdefault((rooms[0], rooms[1]), imp)
+    errors = []
+    for (one, other), imp in sorted(ways.items()):
+        back = ways.get((other, one))
+        if back is not None and one < other:
+            errors.append(f"{one} and {other} import each other: {imp.importer} imports "
+                          f"{imp.imported} (line {imp.line}), {back.importer} imports "
+                          f"{back.imported} (line {back.line}); one must go through an "
+                          "interface the other owns")
+    return errors
+
+
 def undocumented_packages(root: Path) -> list[str]:
     """Folders of our packages without an ``__init__.py`` whose docstring says what they own."""
     missing = []
@@ -168,6 +208,10 @@ def test_imports_point_one_way() -> None:
 
 def test_no_import_circles() -> None:
     assert circles(ROOT) == []
+
+
+def test_sibling_folders_import_one_way() -> None:
+    assert folder_ties(ROOT) == []
 
 
 def test_every_package_says_what_it_owns() -> None:
@@ -225,6 +269,44 @@ def test_a_circle_is_found(tmp_path: Path) -> None:
                                      "    from tidegate.producer.api import API\n",
         "producer/client.py": "from tidegate.producer import api\n"})
     assert circles(root) == [["tidegate.producer.api", "tidegate.producer.openai_routes"]]
+
+
+def test_a_two_way_tie_between_sibling_folders_is_named(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "worker/engine/__init__.py": '"""engine."""\n',
+        "worker/engine/engine.py": "from tidegate.worker.parallel.runner import Runner\n",
+        "worker/engine/sampler.py": "",
+        "worker/parallel/__init__.py": '"""parallel."""\n',
+        "worker/parallel/ranks/__init__.py": '"""ranks."""\n',  # a subfolder is its folder's
+        "worker/parallel/ranks/follower.py": "from tidegate.worker.engine import sampler\n",
+        "worker/parallel/runner.py": ""})
+    assert circles(root) == []  # no module circle: only the folders are tied
+    [found] = folder_ties(root)
+    assert found.startswith("tidegate.worker.engine and tidegate.worker.parallel import each "
+                            "other: tidegate.worker.engine.engine imports "
+                            "tidegate.worker.parallel.runner (line 1), "
+                            "tidegate.worker.parallel.ranks.follower imports "
+                            "tidegate.worker.engine.sampler (line 1)")
+
+
+def test_a_parent_and_its_child_folder_are_one_room(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "worker/engine/__init__.py": '"""engine."""\n',
+        "worker/engine/engine.py": "from tidegate.worker.engine.speculative import ngram\n",
+        "worker/engine/sequence.py": "",
+        "worker/engine/speculative/__init__.py": '"""speculative."""\n',
+        "worker/engine/speculative/ngram.py": "from tidegate.worker.engine import sequence\n"})
+    assert folder_ties(root) == []
+
+
+def test_the_composition_root_ties_no_folders(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "tidegate/commands/__init__.py": '"""root."""\n',
+        "tidegate/commands/cli.py": "from tidegate.model_files import source\n",
+        "tidegate/model_files/__init__.py": '"""files."""\n',
+        "tidegate/model_files/source.py": "def f():\n    from tidegate.commands import cli\n"})
+    assert folder_ties(root) == []
+    assert direction_errors(root) != []  # the other rule names that import
 
 
 def test_an_undocumented_folder_is_found(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidegate.kernels.reference.moe import check_moe, route
+from tidegate.kernels.reference.moe import ExpertLayout, check_moe, route
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,16 +45,6 @@ def default_tiles(pairs: int, experts: int) -> MoeTiles:
     if pairs < 128 * experts:
         return MoeTiles(64, 128, 64, 8, 4)
     return MoeTiles(128, 128, 64, 8, 3)
-
-
-@dataclass(frozen=True, slots=True)
-class ExpertLayout:
-    """Pairs (token * k + slot) sorted by expert, each expert's run padded to ``block_m``."""
-
-    slots: torch.Tensor  # [L] int32: the pair in each padded row, num_pairs where empty
-    block_expert: torch.Tensor  # [L / block_m] int32: each tile's expert, E past the last
-    block_m: int
-    num_pairs: int
 
 
 def expert_layout(experts: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from tidegate.kernels.gpu.moe_triton import ExpertLayout
+from tidegate.kernels.reference.moe import ExpertLayout
 
 NO_ADAPTER = -1
 MAX_RANK = 64

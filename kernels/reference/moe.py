@@ -25,6 +25,18 @@ class Routing:
     experts: torch.Tensor  # [T, k] int64: the chosen experts, by falling weight
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertLayout:
+    """Pairs (token * k + slot) sorted by expert, each expert's run padded to ``block_m``: the
+    rows the grouped kernels (``tidegate.kernels.gpu.moe_triton``, ``lora_triton``) take, kept
+    here beside the types the references share."""
+
+    slots: torch.Tensor  # [L] int32: the pair in each padded row, num_pairs where empty
+    block_expert: torch.Tensor  # [L / block_m] int32: each tile's expert, E past the last
+    block_m: int
+    num_pairs: int
+
+
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
     """Router logits [T, E] -> each token's top-k experts and their weights."""
     probs = torch.softmax(logits.float(), dim=-1)

@@ -13,7 +13,7 @@ from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
 from tidegate.worker.models.decoder import CausalAttention
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model
-from tidegate.worker.quantization.online import quantize_loaded
+from tidegate.worker.models.online_quantization import quantize_loaded
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -14,6 +14,7 @@ from tests.worker.speculative.test_speculative_engine import Alternating
 from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
 from tidegate.worker.models.loaders.loader import LoadedModel
+from tidegate.worker.speculative.speculative_engine import speculative_engine
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -32,7 +33,7 @@ def generate(loaded: LoadedModel, speculative: str | None, *, seeded: bool = Fal
              overlapped: bool = False) -> tuple[list[list[int]], Engine, dict[str, int]]:
     """``overlapped``: async output (a GPU worker's default), speculating every third step,
     plain steps overlapped in between."""
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(
+    engine = speculative_engine(loaded.model, loaded.tokenizer, EngineConfig(
         max_model_len=2048, max_num_seqs=8, kv_cache_gb=1.0, speculative=speculative,
         speculative_max_batch=8 if speculative else None,
         async_output=None if overlapped else False),

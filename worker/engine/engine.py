@@ -8,6 +8,11 @@ A request with a ``response_format`` samples under its grammar's token mask, com
 host while the device runs the step's forward pass, and ends once its grammar is complete.
 A request may name a LoRA adapter registered with ``add_adapter``: requests of different
 adapters and of the base model share steps (``tidegate.worker.engine.lora_manager``).
+
+Parallel execution and speculative decoding plug in through interfaces the engine owns: it is
+handed the runner it steps through (``step_runner.StepRunner``; a parallel worker's rank 0
+hands it one that drives the other ranks) and the parts it speculates with
+(``speculation.SpeculationFactory``), and imports neither implementation.
 """
 
 from __future__ import annotations
@@ -47,14 +52,16 @@ from tidegate.worker.engine.scheduler import (
     SchedulerOutput,
 )
 from tidegate.worker.engine.sequence import SeqStatus, Sequence
+from tidegate.worker.engine.speculation import (
+    CountsPasses,
+    Governor,
+    Proposer,
+    SpeculationFactory,
+    Verifier,
+)
+from tidegate.worker.engine.step_runner import RankGroup, StepRunner
 from tidegate.worker.models.decoder import DecoderModel
 from tidegate.worker.models.lora_weights import LoraWeights
-from tidegate.worker.parallel.model_group import ModelGroup
-from tidegate.worker.parallel.parallel_runner import ParallelRunner
-from tidegate.worker.speculative.draft_model_speculator import DraftModelSpeculator
-from tidegate.worker.speculative.draft_verifier import DraftVerifier
-from tidegate.worker.speculative.ngram_speculator import NgramSpeculator
-from tidegate.worker.speculative.speculation_governor import SpeculationGovernor
 
 log = logging.getLogger("tidegate.engine")
 
@@ -106,7 +113,8 @@ class EngineConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     # Speculative decoding: "ngram" (prompt lookup: drafts are what followed the last tokens'
-    # latest earlier occurrence), "draft" (a draft model, given to the engine), None: off.
+    # latest earlier occurrence), "draft" (a draft model, given to the engine), None: off; a
+    # speculative engine is handed its parts (tidegate.worker.speculative.speculative_engine).
     # Up to num_speculative_tokens drafts a step per request, verified in the step's one
     # forward pass (tidegate.worker.speculative); a step that speculates is read back before the
     # next is launched (with async_output, the step in flight is read back first; steps that
@@ -209,11 +217,12 @@ MAX_VERIFY_GRAPH_ROWS = 1024
 
 
 def build_runner(model: DecoderModel, config: EngineConfig, lora: LoraManager | None = None,
-                 group: ModelGroup | None = None, draft: DecoderModel | None = None
+                 group: RankGroup | None = None, draft: DecoderModel | None = None
                  ) -> tuple[KVCacheSpec, ModelRunner, ModelRunner | None]:
     """The KV cache's plan, the model runner over it and (with ``draft``) the draft model's
     runner over its own cache. The budget is split so both caches hold the same number of
-    blocks. In a parallel worker every rank calls this (rank 0 through ``Engine``) and the
+    blocks. In a parallel worker every rank calls this with its ``group``
+    (``tidegate.worker.parallel``; rank 0 then hands its engine the runner wrapped) and the
     ranks agree on the smallest cache any of them can hold: block tables are the same on
     every rank."""
     param = next(model.parameters())
@@ -232,7 +241,7 @@ def build_runner(model: DecoderModel, config: EngineConfig, lora: LoraManager | 
     if group is not None:
         spec = KVCacheSpec(group.min_int(spec.num_blocks), spec.block_size,
                            spec.bytes_per_block)
-    stage = group if group is not None and group.place.layout.pp > 1 else None
+    stage = group if group is not None and group.pp > 1 else None
     graph_rows = draft_rows = config.max_num_seqs if config.cuda_graphs else 0
     if config.speculative and graph_rows:
         # Verify chunks (1 + K rows each) of up to speculative_max_batch requests replay
@@ -255,16 +264,21 @@ def build_runner(model: DecoderModel, config: EngineConfig, lora: LoraManager | 
 
 
 class Engine:
-    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig,
-                 group: ModelGroup | None = None, draft: DecoderModel | None = None) -> None:
-        """``group``: rank 0's handle on a parallel worker (``tidegate.worker.parallel``); the model
-        is then rank 0's share and every step goes to the other ranks too. ``draft``: the
+    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig, *,
+                 runner: StepRunner | None = None, speculation: SpeculationFactory | None = None,
+                 draft: DecoderModel | None = None) -> None:
+        """``runner``: the runner to step through, built over the model by its owner (a
+        parallel worker's rank 0: ``tidegate.worker.parallel.parallel_engine``); None: the
+        engine's own ``ModelRunner``. ``speculation``: makes the parts a speculative engine
+        steps with, given exactly when ``config.speculative`` is set
+        (``tidegate.worker.speculative.speculative_engine`` builds such engines). ``draft``: the
         draft model of ``speculative="draft"``, on the model's device, sharing its
         tokenizer."""
         self.tokenizer = tokenizer
         self.config = config
         param = next(model.parameters())
-        if group is not None and config.max_loras:
+        # A runner handed in was planned without the LoRA slots (they are made below).
+        if runner is not None and config.max_loras:
             raise ValueError("LoRA adapters are not served by tensor- or pipeline-parallel "
                              "workers (max_loras must be 0)")
         # Before the KV cache is planned: the cache takes what memory is left.
@@ -275,43 +289,44 @@ class Engine:
             raise ValueError('a draft model is given exactly when speculative is "draft"')
         if draft is not None and next(draft.parameters()).device != param.device:
             raise ValueError("the draft model must be on the model's device")
-        self.kv_spec, runner, draft_runner = build_runner(model, config, self.lora, group,
-                                                          draft)
+        # Drafts are verified with the engine's own runner's sampler.
+        if config.speculative and runner is not None:
+            raise ValueError("speculative decoding is not served by tensor- or pipeline-"
+                             "parallel workers")
+        if (config.speculative is not None) != (speculation is not None):
+            raise ValueError("an engine is handed its speculation exactly when speculative is "
+                             "set (tidegate.worker.speculative.speculative_engine builds one)")
+        draft_runner = None
+        if runner is None:
+            _, runner, draft_runner = build_runner(model, config, self.lora, draft=draft)
+        self.runner: StepRunner = runner
+        self.kv_spec = runner.kv_spec
         log.info("%s", self.kv_spec.describe())
         self.blocks = BlockManager(self.kv_spec.num_blocks, config.block_size,
                                    prefix_caching=config.prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.max_loras), self.blocks)
-        self.group = group
         # Called by ``close``: a parallel worker's rank processes are waited for there.
         self.on_close: list[Callable[[], None]] = []
-        self.runner: ModelRunner | ParallelRunner = (
-            runner if group is None else ParallelRunner(runner, group))
         self.stats = EngineStats()
         self.async_output = (config.async_output if config.async_output is not None
                              else param.device.type == "cuda")
-        if config.speculative and group is not None:
-            raise ValueError("speculative decoding is not served by tensor- or pipeline-"
-                             "parallel workers")
-        self.speculator: NgramSpeculator | DraftModelSpeculator | None = None
-        if config.speculative == "ngram":
-            self.speculator = NgramSpeculator(config.num_speculative_tokens)
-        elif draft_runner is not None:
-            self.speculator = DraftModelSpeculator(
-                draft_runner, BlockManager(self.kv_spec.num_blocks, config.block_size,
-                                           prefix_caching=config.prefix_caching),
-                config.num_speculative_tokens, model.cfg.vocab_size)
-        self.governor = SpeculationGovernor(max_batch=config.speculative_max_batch)
-        self.verifier = DraftVerifier(runner.sampler)
+        self.speculator: Proposer | None = None
+        self.verifier: Verifier | None = None
+        self.governor: Governor | None = None
+        if speculation is not None:
+            assert isinstance(runner, ModelRunner)  # the engine's own (checked above)
+            parts = speculation(runner, draft_runner, self.kv_spec)
+            self.speculator, self.verifier = parts.proposer, parts.verifier
+            self.governor = parts.governor
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.async_output)
         if self.async_scheduling and not self.async_output:
             raise ValueError("async_scheduling needs async_output")
         # Pipeline parallelism: one step in flight per stage, each of other requests
         # (``_step_pipelined``); 0: the single-step paths.
-        self.pipeline_depth = (group.place.layout.pp
-                               if group is not None and group.place.layout.pp > 1 else 0)
+        self.pipeline_depth = self.runner.pipeline_depth
         self._pipe: deque[tuple[SchedulerOutput, SamplerLaunch]] = deque()
         # The launched step whose tokens have not been read back yet (async_output only).
         self._inflight: tuple[SchedulerOutput, SamplerLaunch] | None = None
@@ -453,8 +468,7 @@ class Engine:
     def close(self) -> None:
         """Send a parallel worker's other ranks out of their loop and wait for them (a no-op
         for a single process). Once only; the engine steps no more."""
-        if isinstance(self.runner, ParallelRunner):
-            self.runner.stop()
+        self.runner.stop()
         closers, self.on_close = self.on_close, []
         for close in closers:
             close()
@@ -538,13 +552,15 @@ class Engine:
         that does first reads back the step in flight (drafts follow the tokens the host
         has)."""
         start = time.perf_counter()
+        governor = self.governor
+        assert governor is not None  # a speculative engine is handed one
         batch = len(self.scheduler.running)
-        speculate = self.governor.speculate(batch)
+        speculate = governor.speculate(batch)
         if self.async_output and not speculate:
             steady = self.pending_prefill_tokens <= batch
             outputs = self._step_overlapped()
             if steady and outputs:
-                self.governor.record(batch, False, sum(o.token_id is not None for o in outputs),
+                governor.record(batch, False, sum(o.token_id is not None for o in outputs),
                                      time.perf_counter() - start)
             return outputs
         drained = self._drain() if self.async_output else []
@@ -567,7 +583,7 @@ class Engine:
         # choosing to speculate costs the overlap even when nothing is drafted.
         if decoding and not sched.preempted:
             tokens = sum(1 for o in outputs if o.token_id is not None)
-            self.governor.record(batch, speculate, tokens, time.perf_counter() - start)
+            governor.record(batch, speculate, tokens, time.perf_counter() - start)
         return drained + outputs
 
     def _drain(self) -> list[RequestOutput]:
@@ -603,7 +619,7 @@ class Engine:
             return
         for (seq, _), draft in zip(wanted, self.speculator.propose_all(wanted), strict=True):
             seq.draft.extend(draft)
-        if isinstance(self.speculator, DraftModelSpeculator):
+        if isinstance(self.speculator, CountsPasses):
             self.stats.draft_passes = self.speculator.passes
 
     def _step_speculative(self, sched: SchedulerOutput) -> list[RequestOutput]:
@@ -611,6 +627,8 @@ class Engine:
         drafts are kept or not (``DraftVerifier``), and its tokens go out one by one, so a
         stop, a stop string or max_tokens ends it exactly where plain decoding would. A
         request's computed tokens are its last known one and the drafts it kept."""
+        verifier = self.verifier
+        assert verifier is not None  # a speculative engine is handed one
         tables = [self.blocks.block_table(c.seq.request_id) for c in sched.chunks]
         with torch.inference_mode():
             step = self.runner.forward(sched, tables)
@@ -631,7 +649,7 @@ class Engine:
             sampled = self.runner.sample(
                 StepLogits(step.logits.index_select(0, index), plain_seqs),
                 masks.result() if masks else None)()
-            kept = [(chunk, draft, self.verifier.verify(logits, chunk.seq, draft))
+            kept = [(chunk, draft, verifier.verify(logits, chunk.seq, draft))
                     for chunk, draft, logits in verify]
         verifying = {id(chunk) for chunk, _, _ in kept}
         rest = SchedulerOutput()

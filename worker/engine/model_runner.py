@@ -110,6 +110,11 @@ class PipelineLink(Protocol):
 
 
 class ModelRunner:
+    # A runner of one process: the engine keeps one step in flight at a time, and no other
+    # rank follows it (a parallel worker's rank 0 wraps it: ``tidegate.worker.parallel``).
+    pipeline_depth = 0
+    ranks = 1
+
     def __init__(self, model: DecoderModel, spec: KVCacheSpec, *, max_model_len: int | None = None,
                  cuda_graph_max_batch: int = 0, kv_dtype: torch.dtype | None = None,
                  lora: LoraManager | None = None, stage: PipelineLink | None = None) -> None:
@@ -126,6 +131,7 @@ class ModelRunner:
             cuda_graph_max_batch = 0
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.kv_spec = spec
         self.block_size = spec.block_size
         self.kv_cache = allocate_kv_cache(model.cfg, spec, kv_dtype or self.dtype, self.device)
         self.scale = model.cfg.head_dim ** -0.5
@@ -343,6 +349,9 @@ class ModelRunner:
 
     def free(self, request_id: str) -> None:
         self.sampler.free(request_id)
+
+    def stop(self) -> None:
+        """Nothing to stop: no other rank follows this runner."""
 
 
 def _first_input(chunk: ScheduledChunk) -> int:

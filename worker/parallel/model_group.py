@@ -5,7 +5,8 @@ all-gather inside a stage, the residual stream from one stage to the next, the s
 from the last stage back to the first. Control moves over gloo on the host whatever the
 device: rank 0's per-step message to every other rank (one fixed-size buffer to each, sent
 without waiting; a second only for a message that does not fit), the last stage's tokens to
-rank 0 the same way, and the agreement on the KV cache's size.
+rank 0 the same way, and the agreement on the KV cache's size. Each rank's runner is built
+over it as the engine's ``RankGroup`` (``tidegate.worker.engine.step_runner``).
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ class ModelGroup:
     @property
     def tp(self) -> int:
         return self.place.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.place.layout.pp
 
     # ------------------------------------------------------------------ tensor parallel
 

@@ -1,8 +1,11 @@
 """``start_parallel_engine``: rank 0's engine of a tensor- or pipeline-parallel worker.
 
-Starts the other ranks (``RankProcesses``), joins their group, loads rank 0's share and builds
-the engine whose every step the other ranks follow; ``Engine.close`` stops and waits for them.
-The worker (``tidegate.worker.service.service.build_engine``) and the tests start parallel engines here.
+Starts the other ranks (``RankProcesses``), joins their group, loads rank 0's share
+(``RankShare``), builds its runner over the group and hands the engine that runner wrapped
+(``ParallelRunner``), so every step the engine takes the other ranks follow; ``Engine.close``
+stops and waits for them. The engine owns the runner's interface and never imports this side.
+The worker (``tidegate.worker.service.service.build_engine``) and the tests start parallel
+engines here.
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ import logging
 import torch
 import torch.distributed as dist
 
-from tidegate.worker.engine.engine import Engine, EngineConfig
+from tidegate.worker.engine.engine import Engine, EngineConfig, build_runner
 from tidegate.worker.models.loaders.loader import load_model
 from tidegate.worker.parallel.layout import ParallelLayout
 from tidegate.worker.parallel.model_group import ModelGroup
 from tidegate.worker.parallel.parallel_runner import ParallelRunner
 from tidegate.worker.parallel.rank_processes import RankProcesses, ShareSpec, rank_device
+from tidegate.worker.parallel.rank_share import RankShare
 
 log = logging.getLogger("tidegate.parallel")
 
@@ -43,14 +47,15 @@ def start_parallel_engine(model: str, layout: ParallelLayout, config: EngineConf
         group = ModelGroup(place, dev, ranks.init_method)
         loaded = load_model(model, device=dev, dtype=None if dtype == "auto"
                             else getattr(torch, dtype), seed=seed, packed=False,
-                            quantize=quantize, place=place)
+                            quantize=quantize, share=RankShare(place))
         loaded.model.connect(group if layout.tp > 1 else None)
-        engine = Engine(loaded.model, loaded.tokenizer, config, group)
+        _, own, _ = build_runner(loaded.model, config, None, group)
+        runner = ParallelRunner(own, group)
+        engine = Engine(loaded.model, loaded.tokenizer, config, runner=runner)
     except BaseException:
         ranks.kill()
         raise
-    assert isinstance(engine.runner, ParallelRunner)
-    engine.runner.on_lost = ranks.lost
+    runner.on_lost = ranks.lost
     engine.on_close.append(ranks.close)
     engine.on_close.append(group.close)
     log.info("loaded %s as %d ranks (tensor parallel %d x pipeline %d) in %.1fs; rank 0 "

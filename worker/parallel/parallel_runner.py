@@ -4,7 +4,9 @@ It is the engine's ``ModelRunner`` (its own shard's) plus the broadcast: every o
 engine asks of it is queued for the other ranks, and a forward pass sends the queue in one
 broadcast before rank 0 runs its share, so every rank runs the same step at once (their
 collectives meet). Sampling and freeing ride along with the next forward pass: the other ranks
-need a step's tokens only as the next step's inputs.
+need a step's tokens only as the next step's inputs. It is the ``StepRunner`` the engine owns
+the interface of (``tidegate.worker.engine.step_runner``), handed to rank 0's engine by
+``tidegate.worker.parallel.parallel_engine``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from tidegate.worker.engine.grammar_masks import TokenMask
+from tidegate.worker.engine.kv_cache import KVCacheSpec
 from tidegate.worker.engine.model_runner import ModelRunner, StepLogits
 from tidegate.worker.engine.sampler import SamplerLaunch, SamplerOutput
 from tidegate.worker.engine.scheduler import SchedulerOutput
@@ -37,6 +40,20 @@ class ParallelRunner:
     @property
     def kv_cache(self):  # noqa: ANN201
         return self.runner.kv_cache
+
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        return self.runner.kv_spec
+
+    @property
+    def pipeline_depth(self) -> int:
+        """One step in flight per pipeline stage; 0 under tensor parallelism alone."""
+        pp = self.group.pp
+        return pp if pp > 1 else 0
+
+    @property
+    def ranks(self) -> int:
+        return self.group.place.layout.world
 
     def forward(self, sched: SchedulerOutput, block_tables: list[list[int]],
                 previous: SamplerLaunch | None = None) -> StepLogits:

@@ -156,6 +156,7 @@ def follower_main(layout: ParallelLayout, rank: int, init_method: str, spec: Sha
     from tidegate.worker.engine.engine import EngineConfig, build_runner
     from tidegate.worker.models.loaders.loader import load_model
     from tidegate.worker.parallel.follower import Follower
+    from tidegate.worker.parallel.rank_share import RankShare
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     device = rank_device(spec.device, rank)
@@ -166,7 +167,7 @@ def follower_main(layout: ParallelLayout, rank: int, init_method: str, spec: Sha
     group = ModelGroup(layout.place(rank), device, init_method)
     dtype = None if spec.dtype == "auto" else getattr(torch, spec.dtype)
     loaded = load_model(spec.model, device=device, dtype=dtype, seed=spec.seed, packed=False,
-                        quantize=spec.quantize, place=layout.place(rank))
+                        quantize=spec.quantize, share=RankShare(layout.place(rank)))
     assert isinstance(spec.engine, EngineConfig)
     loaded.model.connect(group if layout.tp > 1 else None)
     _spec, runner, _draft = build_runner(loaded.model, spec.engine, None, group)

@@ -40,9 +40,9 @@ from tidegate.worker.models.decoder import CausalAttention, DecoderLayer, layer_
 from tidegate.worker.models.loaders.gguf_weights import GGUFWeights
 from tidegate.worker.models.loaders.hf_weights import SafetensorsWeights
 from tidegate.worker.models.loaders.loader import load_model
+from tidegate.worker.models.online_quantization import auto_group
 from tidegate.worker.quantization.awq import awq_scales
 from tidegate.worker.quantization.gptq import HessianStats, gptq_quantize
-from tidegate.worker.quantization.online import auto_group
 
 # method -> (bits, algorithm)
 METHODS: dict[str, tuple[int, str]] = {

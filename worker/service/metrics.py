@@ -71,10 +71,9 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("tidegate_num_preemptions",
                                   "Requests preempted (blocks freed, recomputed later).",
                                   engine.stats.preemptions)
-        layout = engine.group.place.layout if engine.group is not None else None
         yield GaugeMetricFamily("tidegate_worker_ranks",
                                 "Processes (and devices) of this worker: tensor x pipeline "
-                                "parallel size.", 1 if layout is None else layout.world)
+                                "parallel size.", engine.runner.ranks)
         if engine.speculator is not None:
             stats = engine.stats
             yield CounterMetricFamily("tidegate_spec_draft_tokens",

@@ -85,6 +85,7 @@ from tidegate.worker.service.migration import job_seed
 from tidegate.worker.service.publisher import ActiveJob, EventPublisher
 from tidegate.worker.shedding.calibration import calibrate, timed_step
 from tidegate.worker.shedding.load_shedder import Commitments, Load, LoadShedder, ShedderConfig
+from tidegate.worker.speculative.speculative_engine import speculative_engine
 
 if TYPE_CHECKING:
     from tidegate.worker.models.loaders.loader import LoadedModel
@@ -540,8 +541,8 @@ def build_engine(settings: Settings) -> Engine:
     draft = None
     if settings.speculative.startswith("draft:"):
         draft = _load_draft(settings, loaded, dtype)
-    engine = Engine(loaded.model, loaded.tokenizer,
-                    engine_config(settings, max_len, settings.max_loras), draft=draft)
+    engine = speculative_engine(loaded.model, loaded.tokenizer,
+                                engine_config(settings, max_len, settings.max_loras), draft=draft)
     _prepare_grammars(engine)
     return engine
 

@@ -14,6 +14,7 @@ from tidegate.worker.models.decoder import DecoderModel, Partition
 from tidegate.worker.models.loaders.loader import load_model
 from tidegate.worker.models.loaders.random_weights import init_random_weights
 from tidegate.worker.parallel.layout import ParallelLayout
+from tidegate.worker.parallel.rank_share import RankShare
 from tidegate.worker.parallel.weight_shards import gather, global_name, init_random_shard, shard
 
 DENSE = ModelConfig(vocab_size=261, hidden_size=32, intermediate_size=48, num_layers=3,
@@ -80,7 +81,7 @@ def test_a_rank_loads_its_slice_of_a_checkpoint(family: str, tp: int, pp: int,
     expected = dict(whole.named_parameters())
     for rank in range(layout.world):
         place = layout.place(rank)
-        local = load_model(str(path), place=place).model
+        local = load_model(str(path), share=RankShare(place)).model
         names = {n for n, _ in local.named_parameters()}
         assert ("embed_tokens.weight" in names) == (
             place.first_stage or (place.last_stage and cfg.tie_word_embeddings))
@@ -97,7 +98,7 @@ def test_random_shards_are_slices_of_the_same_random_model() -> None:
     expected = dict(whole.named_parameters())
     for rank in range(layout.world):
         place = layout.place(rank)
-        local = load_model("random:tiny", place=place).model
+        local = load_model("random:tiny", share=RankShare(place)).model
         for name, param in local.named_parameters():
             gname = global_name(name, place, whole.cfg.num_layers)
             assert torch.equal(param, shard(gname, expected[gname], whole.cfg, place)), name

@@ -23,8 +23,8 @@ from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
 from tidegate.worker.models.decoder import CausalAttention
 from tidegate.worker.models.loaders.loader import LoadedModel
+from tidegate.worker.models.online_quantization import quantize_loaded
 from tidegate.worker.models.packed_modules import PackedLinear
-from tidegate.worker.quantization.online import quantize_loaded
 
 TEXT = ("The tide came in over the flats, slowly at first and then all at once; the gate "
         "keeper counted the waves and wrote each one down. ") * 8

@@ -14,6 +14,7 @@ from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from tidegate.worker.models.decoder import DecoderModel
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model
+from tidegate.worker.speculative.speculative_engine import speculative_engine
 
 TEXT = ("The committee approved the new budget for the harbour bridge, which will be "
         "repainted in the spring and reopened to traffic in June. Residents asked for a second "
@@ -45,10 +46,11 @@ def speculative(loaded: LoadedModel, proposer: str, **config: object) -> Engine:
     config = {"max_model_len": 1024, "num_blocks": 256, "speculative_max_batch": 1024,
               **config}
     if proposer == "ngram":
-        return Engine(loaded.model, loaded.tokenizer, EngineConfig(speculative="ngram", **config))
+        return speculative_engine(loaded.model, loaded.tokenizer,
+                                  EngineConfig(speculative="ngram", **config))
     draft = loaded.model if proposer == "draft-same" else other_draft(loaded)
-    return Engine(loaded.model, loaded.tokenizer, EngineConfig(speculative="draft", **config),
-                  draft=draft)
+    return speculative_engine(loaded.model, loaded.tokenizer,
+                              EngineConfig(speculative="draft", **config), draft=draft)
 
 
 _OTHER: dict[int, DecoderModel] = {}
@@ -257,6 +259,13 @@ def test_an_unknown_proposer_is_refused() -> None:
         EngineConfig(max_model_len=64, speculative="eagle")
     with pytest.raises(ValueError, match="speculative_max_batch"):
         EngineConfig(max_model_len=64, speculative="ngram", speculative_max_batch=0)
+
+
+def test_the_engine_is_handed_its_speculation(tiny: LoadedModel) -> None:
+    """The engine imports no proposer: a config that speculates needs its parts handed in."""
+    with pytest.raises(ValueError, match="speculative_engine builds one"):
+        Engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=64, num_blocks=8,
+                                                        speculative="ngram"))
 
 
 class Alternating:

@@ -19,6 +19,11 @@ On the CPU, packed matrices multiply activations rounded to 8-bit blocks (``cpu_
 "int8", the default: integer dot products, as llama.cpp computes the same file) or float32 ones
 ("float": exactly the dequantized model's outputs; ``tidegate.kernels.reference.q8_activations``). FP8 matrices
 always take float32 ones there.
+
+A rank of a parallel worker loads only its share of the model: the caller hands ``load_model``
+the share (``model_share.ModelShare``, implemented by ``tidegate.worker.parallel``), which this
+module never imports. ``quantize`` rounds a float model's projections at load
+(``tidegate.worker.models.online_quantization``).
 """
 
 from __future__ import annotations
@@ -45,14 +50,14 @@ from tidegate.worker.models.decoder import (
 )
 from tidegate.worker.models.loaders.gguf_weights import GGUFWeights
 from tidegate.worker.models.loaders.hf_weights import SafetensorsWeights
+from tidegate.worker.models.loaders.model_share import ModelShare, ModelSplit
 from tidegate.worker.models.loaders.quantized.quantized_safetensors import (
     QuantizedSafetensors,
     quantization_config,
 )
 from tidegate.worker.models.loaders.random_weights import init_random_weights, preset_llama_config
+from tidegate.worker.models.online_quantization import METHODS, quantize_model_at_load
 from tidegate.worker.models.packed_modules import PackedMatrix, use_activations
-from tidegate.worker.parallel.layout import LayoutError, ParallelLayout, RankPlace
-from tidegate.worker.parallel.weight_shards import WeightSharder, init_random_shard, stage_sources
 
 
 @dataclass
@@ -106,17 +111,18 @@ def load_model(
     packed: bool | None = None,
     quantize: str | None = None,
     cpu_activations: str = "auto",
-    place: RankPlace | None = None,
+    share: ModelShare | None = None,
 ) -> LoadedModel:
     """Load a model by spec ("smollm2", a directory, a .gguf file, "random:<preset>").
 
     ``seed`` only matters for random weights. ``packed``: keep a GGUF file's quantized
     matrices packed (None: wherever the packed kernels serve, i.e. float32 on the CPU with the
     native kernels built; False: dequantize everything). ``quantize`` (``fp8``, ``rtn-int8``,
-    ``rtn-int4``; ``tidegate.worker.quantization.online``): round a float model's projections at load.
-    ``cpu_activations``: what packed matrices on the CPU multiply, "int8" or "float"
-    (``CPU_ACTIVATIONS``; "auto": int8). ``place``: a rank of a parallel worker, which loads
-    only its share (``tidegate.worker.parallel``; quantized files are dequantized then).
+    ``rtn-int4``; ``tidegate.worker.models.online_quantization``): round a float model's
+    projections at load. ``cpu_activations``: what packed matrices on the CPU multiply, "int8"
+    or "float" (``CPU_ACTIVATIONS``; "auto": int8). ``share``: load only this share of the
+    model (a rank of a parallel worker: ``tidegate.worker.parallel.rank_share.RankShare``;
+    quantized files are dequantized then).
     Raises ``ModelLoadError`` naming what is wrong.
     """
     if cpu_activations not in CPU_ACTIVATIONS:
@@ -127,8 +133,8 @@ def load_model(
               else spec_or_source)
     dtype = dtype or default_dtype(device)
     tokenizer = load_tokenizer(source)
-    if place is not None and place.layout.world > 1:
-        model, config = _load_share(source, place, device, dtype, seed)
+    if share is not None:
+        model, config = _load_share(source, share, device, dtype, seed)
     elif source.kind == "random":
         assert source.preset is not None
         config = preset_llama_config(source.preset)
@@ -187,36 +193,36 @@ def _weights(source: ModelSource
     return weights.config, weights
 
 
-def check_layout(spec: str, layout: ParallelLayout) -> ModelConfig:
-    """The model's config, once ``layout`` is known to split it (``ModelLoadError`` naming
-    why not); reads no weights."""
+def check_layout(spec: str, layout: ModelSplit) -> ModelConfig:
+    """The model's config, once ``layout`` (a parallel worker's) is known to split it
+    (``ModelLoadError`` naming why not); reads no weights."""
     source = resolve_model(spec)
     config, _ = _weights(source)
-    try:
-        layout.check(config)
-    except LayoutError as exc:
-        raise ModelLoadError(f"{source.name}: {exc}") from None
+    _check_split(source, layout, config)
     return config
 
 
-def _load_share(source: ModelSource, place: RankPlace, device: str | torch.device,
-                dtype: torch.dtype, seed: int) -> tuple[DecoderModel, ModelConfig]:
-    """One rank's share of the model (``place``) and the whole model's config."""
-    config, weights = _weights(source)
+def _check_split(source: ModelSource, split: ModelSplit, config: ModelConfig) -> None:
     try:
-        place.layout.check(config)
-    except LayoutError as exc:
+        split.check(config)
+    except ValueError as exc:
         raise ModelLoadError(f"{source.name}: {exc}") from None
-    model = empty_model(place.local_config(config), device, dtype, partition=Partition(
-        place.vocab_rows(config.vocab_size), place.first_stage, place.last_stage))
+
+
+def _load_share(source: ModelSource, share: ModelShare, device: str | torch.device,
+                dtype: torch.dtype, seed: int) -> tuple[DecoderModel, ModelConfig]:
+    """The share of the model and the whole model's config."""
+    config, weights = _weights(source)
+    _check_split(source, share, config)
+    model = empty_model(share.local_config(config), device, dtype,
+                        partition=share.partition(config))
     if weights is None:
-        init_random_shard(model, config, place, seed)
+        share.init_random(model, config, seed)
         return model, config
     try:
-        model.load_hf_state_dict(
-            DequantizedView(weights) if isinstance(weights, QuantizedSafetensors) else weights,
-            stage_sources(weights.sources, place, config.num_layers, model),
-            shard=WeightSharder(config, place))
+        share.load(model, config,
+                   DequantizedView(weights) if isinstance(weights, QuantizedSafetensors)
+                   else weights, weights.sources)
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{source.path}: {exc}") from exc
     return model, config
@@ -224,8 +230,6 @@ def _load_share(source: ModelSource, place: RankPlace, device: str | torch.devic
 
 def _quantize_at_load(loaded: LoadedModel, method: str, device: str | torch.device,
                       dtype: torch.dtype) -> None:
-    from tidegate.worker.quantization.online import METHODS, quantize_model_at_load
-
     name = loaded.source.name
     if method not in METHODS:
         raise ModelLoadError(f"quantize {method!r}: one of {', '.join(METHODS)}")

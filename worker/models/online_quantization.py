@@ -6,6 +6,8 @@ What vLLM's ``--quantization fp8`` does for a bf16 checkpoint, for the formats t
 channel) and ``rtn-int4`` (symmetric, groups of 128 where they divide every projection, else 64
 or 32). Embeddings, norms and the LM head stay float, as in ``tidegate quantize``'s checkpoints,
 which calibrate (GPTQ, AWQ) where this cannot; benchmarks quantize random-weight models here.
+The loader applies it (``load_model(quantize=...)``); ``tidegate.worker.quantization`` builds
+on it (``auto_group``), never the other way round.
 """
 
 from __future__ import annotations
