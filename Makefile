@@ -17,7 +17,7 @@ test: setup redis-server browser compose-tools
 setup: $(STAMP)
 
 # torch first and pinned, so nothing later can pull another build of it.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0

@@ -247,8 +247,8 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
     ({"tidegate/commands/__init__.py": '"""root."""\n', "tidegate/commands/cli.py": "",
       "producer/api.py": "from tidegate.commands.cli import main\n"},
      "nothing imports the composition root"),
-    ({"worker/x.py": "from tidegate.benchmarks.harness import stack\n",
-      "benchmarks/harness/stack.py": ""}, "nothing the service runs imports the benchmarks"),
+    ({"worker/x.py": "from tidegate.benchmarks.harness.run import stack\n",
+      "benchmarks/harness/run/stack.py": ""}, "nothing the service runs imports the benchmarks"),
 ])
 def test_a_wrong_import_is_named(tmp_path: Path, files: dict[str, str], error: str) -> None:
     [found] = direction_errors(_tree(tmp_path, files))

@@ -72,9 +72,9 @@ from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from tidegate.benchmarks.harness import record  # noqa: E402
-from tidegate.benchmarks.harness.http import Pool  # noqa: E402
-from tidegate.benchmarks.harness.processes import (  # noqa: E402
+from tidegate.benchmarks.harness.load.http import Pool  # noqa: E402
+from tidegate.benchmarks.harness.measure import record  # noqa: E402
+from tidegate.benchmarks.harness.run.processes import (  # noqa: E402
     cpu_seconds,
     die_with_parent,
     free_port,
@@ -84,7 +84,7 @@ from tidegate.benchmarks.harness.processes import (  # noqa: E402
     spawn,
     stop_processes,
 )
-from tidegate.benchmarks.harness.redis_server import redis_answers, redis_argv  # noqa: E402
+from tidegate.benchmarks.harness.run.redis_server import redis_answers, redis_argv  # noqa: E402
 
 TIDEGATE = [sys.executable, "-m", "tidegate"]
 MODEL = "random:tiny"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tidegate.benchmarks.harness import record
+from tidegate.benchmarks.harness.measure import record
 from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model

@@ -43,7 +43,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from tidegate.benchmarks.harness import record  # noqa: E402
+from tidegate.benchmarks.harness.measure import record  # noqa: E402
 from tidegate.kernels import ops  # noqa: E402
 from tidegate.kernels.gpu.paged_attention_triton import default_num_splits  # noqa: E402
 from tidegate.protocol import SamplingParams  # noqa: E402

@@ -69,7 +69,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
-from tidegate.benchmarks.harness import record
+from tidegate.benchmarks.harness.measure import record
 from tidegate.model_files.model_source import resolve_model
 from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer
 from tidegate.structured.grammar import json_schema_grammar

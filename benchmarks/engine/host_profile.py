@@ -39,7 +39,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from tidegate.benchmarks.harness import record  # noqa: E402
+from tidegate.benchmarks.harness.measure import record  # noqa: E402
 from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from tidegate.worker.engine.sampler import SamplerLaunch, SamplerOutput  # noqa: E402

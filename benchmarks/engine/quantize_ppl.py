@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tidegate.benchmarks.harness import record
+from tidegate.benchmarks.harness.measure import record
 
 EVAL_TEXT = "/usr/share/common-licenses/GPL-3"
 CALIBRATION_TEXT = "/usr/share/common-licenses/GPL-2"

@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 from tidegate.benchmarks.engine.engine_cpu import mixed_workload, run_tidegate  # noqa: E402
-from tidegate.benchmarks.harness import record
 from tidegate.benchmarks.harness.greedy import PROMPTS, first_divergence, generate
+from tidegate.benchmarks.harness.measure import record
 from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model  # noqa: E402

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch  # noqa: E402
 
-from tidegate.benchmarks.harness import record  # noqa: E402
+from tidegate.benchmarks.harness.measure import record  # noqa: E402
 from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from tidegate.worker.engine.sequence import Sequence  # noqa: E402

@@ -22,7 +22,7 @@ prompt / 256 output tokens, greedy, free ones ``ignore_eos``:
 Per run: output tok/s and its ratio to the free run's, the mean step time (wall / steps), the
 grammar masks' host time per step that computed masks and per masked row
 (``engine.grammars.stats``), output lengths and finish reasons, and every constrained output
-checked against its schema (``tidegate.benchmarks.harness.json_check``). On CUDA also: the device time of
+checked against its schema (``tidegate.benchmarks.harness.measure.json_check``). On CUDA also: the device time of
 one full decode step (its CUDA graph replayed) and of the mask kernel over 256 rows.
 
     python -m tidegate.benchmarks.engine.structured_throughput write-model /tmp/llama8b-smollm2 \\
@@ -55,8 +55,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from tidegate.benchmarks.harness import record  # noqa: E402
-from tidegate.benchmarks.harness.json_check import check_outputs, formats_from_file  # noqa: E402
+from tidegate.benchmarks.harness.measure import record  # noqa: E402
+from tidegate.benchmarks.harness.measure.json_check import check_outputs, formats_from_file  # noqa: E402
 from tidegate.model_files.model_source import resolve_model  # noqa: E402
 from tidegate.model_files.tokenizer import load_tokenizer  # noqa: E402
 from tidegate.protocol import SamplingParams  # noqa: E402

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidegate.benchmarks.harness.metrics import Dist
+from tidegate.benchmarks.harness.measure.metrics import Dist
 from tidegate.protocol import SamplingParams, now_ms
 from tidegate.settings import load_settings
 from tidegate.worker.engine.engine import Engine, EngineRequest

@@ -38,7 +38,7 @@ from triton.language.extra.cuda import gdc_wait
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from tidegate.benchmarks.harness import record  # noqa: E402
+from tidegate.benchmarks.harness.measure import record  # noqa: E402
 from tidegate.kernels.gpu.activation_triton import silu_and_mul_triton  # noqa: E402
 from tidegate.kernels.gpu.linear_triton import SkinnyConfig, skinny_linear_triton  # noqa: E402
 from tidegate.kernels.gpu.rmsnorm_triton import rms_norm_triton  # noqa: E402

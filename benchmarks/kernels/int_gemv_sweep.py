@@ -31,7 +31,7 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from tidegate.benchmarks.harness import record  # noqa: E402
+from tidegate.benchmarks.harness.measure import record  # noqa: E402
 from tidegate.benchmarks.kernels.gemv_sweep import graph_time_us  # noqa: E402
 from tidegate.kernels.gpu.int_gemv_triton import IntGemvConfig  # noqa: E402
 from tidegate.kernels.gpu.int_gemv_triton import default_config as gemv_default  # noqa: E402

@@ -17,7 +17,7 @@ import triton.testing
 ROOT = Path(__file__).resolve().parents[2]
 
 import tidegate.kernels.gpu.lora_triton as lt  # noqa: E402
-from tidegate.benchmarks.harness import record  # noqa: E402
+from tidegate.benchmarks.harness.measure import record  # noqa: E402
 from tidegate.kernels.ops import lora_rows  # noqa: E402
 from tidegate.kernels.reference.lora import LoraStack  # noqa: E402
 

@@ -7,7 +7,7 @@ Starts redis-server (``appendonly yes``, ``appendfsync always``, its own directo
    sampled with a seed; ``--max-tokens`` long enough to be mid-generation when a kill lands),
    each followed by a client over the gateway's WebSocket (every ``--sse-every``-th over SSE)
    that reconnects with its last event id after any drop, as a careful user's code does
-   (``tidegate.benchmarks.harness.patient_client``). Meanwhile ``ChaosMonkey`` SIGKILLs workers
+   (``tidegate.benchmarks.harness.load.patient_client``). Meanwhile ``ChaosMonkey`` SIGKILLs workers
    (starting another each time), SIGKILLs Redis and starts it again from its AOF, and
    SIGKILLs the gateway and starts it again. Submitting goes on until ``--jobs`` jobs were
    accepted and the whole chaos plan was carried out;
@@ -57,12 +57,12 @@ ROOT = Path(__file__).resolve().parents[2]
 import redis  # noqa: E402
 
 from tidegate import keys  # noqa: E402
-from tidegate.benchmarks.harness import record  # noqa: E402
-from tidegate.benchmarks.harness.chaos_monkey import ChaosMonkey, ChaosPlan  # noqa: E402
-from tidegate.benchmarks.harness.chaos_stack import ChaosStack  # noqa: E402
-from tidegate.benchmarks.harness.patient_client import GaveUp, PatientClient  # noqa: E402
-from tidegate.benchmarks.harness.stack import StackConfig  # noqa: E402
-from tidegate.benchmarks.harness.stream_check import StreamCheck  # noqa: E402
+from tidegate.benchmarks.harness.load.patient_client import GaveUp, PatientClient  # noqa: E402
+from tidegate.benchmarks.harness.load.stream_check import StreamCheck  # noqa: E402
+from tidegate.benchmarks.harness.measure import record  # noqa: E402
+from tidegate.benchmarks.harness.run.chaos_monkey import ChaosMonkey, ChaosPlan  # noqa: E402
+from tidegate.benchmarks.harness.run.chaos_stack import ChaosStack  # noqa: E402
+from tidegate.benchmarks.harness.run.stack import StackConfig  # noqa: E402
 from tidegate.events.event_log import EVENT_FIELD  # noqa: E402
 
 WORDS = ("tide", "gate", "river", "stone", "lamp", "owl", "cedar", "north", "salt", "copper")

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from tidegate.benchmarks.harness import record
-from tidegate.benchmarks.harness.processes import (
+from tidegate.benchmarks.harness.measure import record
+from tidegate.benchmarks.harness.run.processes import (
     ROOT,
     cpu_seconds,
     free_port,
@@ -40,7 +40,7 @@ from tidegate.benchmarks.harness.processes import (
     safe_env,
     wait_until,
 )
-from tidegate.benchmarks.harness.redis_server import RedisServer
+from tidegate.benchmarks.harness.run.redis_server import RedisServer
 from tidegate.events.event_log import EventBatch, EventLog
 from tidegate.jobstore import enqueue
 from tidegate.protocol import DoneEvent, JobRequest, Timings, Usage, token_event_json

@@ -23,7 +23,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidegate.benchmarks.harness import record
+from tidegate.benchmarks.harness.measure import record
 from tidegate.benchmarks.serving.fuzzing.http_cases import fuzz_http, operations
 from tidegate.benchmarks.serving.fuzzing.socket_cases import (
     finished_jobs,

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from tidegate import keys
-from tidegate.benchmarks.harness import record
-from tidegate.benchmarks.harness.processes import safe_env, stop_processes
-from tidegate.benchmarks.harness.redis_server import RedisServer
+from tidegate.benchmarks.harness.measure import record
+from tidegate.benchmarks.harness.run.processes import safe_env, stop_processes
+from tidegate.benchmarks.harness.run.redis_server import RedisServer
 from tidegate.jobstore import enqueue, read_result
 from tidegate.model_files.model_source import DEFAULT_MODEL
 from tidegate.model_files.served_model import default_name

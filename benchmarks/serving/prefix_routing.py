@@ -32,8 +32,8 @@ import redis as redis_sync
 from prometheus_client.parser import text_string_to_metric_families
 
 from tidegate import keys  # noqa: E402
-from tidegate.benchmarks.harness import record  # noqa: E402
-from tidegate.benchmarks.harness.stack import Stack, StackConfig  # noqa: E402
+from tidegate.benchmarks.harness.measure import record  # noqa: E402
+from tidegate.benchmarks.harness.run.stack import Stack, StackConfig  # noqa: E402
 from tidegate.model_files.model_source import resolve_model  # noqa: E402
 from tidegate.model_files.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 from tidegate.producer.client import Client  # noqa: E402

@@ -14,7 +14,7 @@ final event and it is last, token texts == stored text, tokens == usage == the o
 With ``--response-format FILE`` every job (the warm-up's too) carries a response_format, the
 file's formats taken in turn; such a job may also end before its length where its grammar is
 complete, and its stored text is checked against its JSON schema
-(``tidegate.benchmarks.harness.json_check``).
+(``tidegate.benchmarks.harness.measure.json_check``).
 Prints one row per run and writes everything to ``--out`` (and ``--plot`` with matplotlib).
 
     # this CPU machine
@@ -48,9 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from tidegate.benchmarks.harness import capacity, record, report  # noqa: E402
-from tidegate.benchmarks.harness.json_check import check_outputs, formats_from_file  # noqa: E402
-from tidegate.benchmarks.harness.loadgen import (  # noqa: E402
+from tidegate.benchmarks.harness.load.loadgen import (  # noqa: E402
     ClientPlan,
     Endpoints,
     JobSpec,
@@ -59,9 +57,15 @@ from tidegate.benchmarks.harness.loadgen import (  # noqa: E402
     run_load,
     shard,
 )
-from tidegate.benchmarks.harness.metrics import RunSummary, Slo, job_details, summarize  # noqa: E402
-from tidegate.benchmarks.harness.stack import Stack, StackConfig, StackError, run_engine_alone  # noqa: E402
-from tidegate.benchmarks.harness.workload import Work, build_work, poisson_offsets  # noqa: E402
+from tidegate.benchmarks.harness.load.workload import Work, build_work, poisson_offsets  # noqa: E402
+from tidegate.benchmarks.harness.measure import (  # noqa: E402
+    capacity,  # noqa: E402
+    record,
+    report,
+)
+from tidegate.benchmarks.harness.measure.json_check import check_outputs, formats_from_file  # noqa: E402
+from tidegate.benchmarks.harness.measure.metrics import RunSummary, Slo, job_details, summarize  # noqa: E402
+from tidegate.benchmarks.harness.run.stack import Stack, StackConfig, StackError, run_engine_alone  # noqa: E402
 
 SECTIONS = ("capacity", "burst", "rates")
 WARM_UP, WARM_UP_JOBS = "warm-up", 4

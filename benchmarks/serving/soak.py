@@ -7,7 +7,7 @@ cancelled right after their 202, ``--idempotent-fraction`` with an Idempotency-K
 ``--follow-fraction`` followed over WebSocket to their final event. Every ``--sample-s`` it
 records Redis ``used_memory`` (INFO memory), the key count, the lane streams' length and each
 process's RSS. At the end it measures every key's ``MEMORY USAGE`` by kind and final status
-(``tidegate.benchmarks.harness.footprint``) and fits a line to each memory series after ``--warmup-s``:
+(``tidegate.benchmarks.harness.run.footprint``) and fits a line to each memory series after ``--warmup-s``:
 flat memory has a slope near zero next to its level.
 
 Retention is short here (``--result-ttl-s`` and the rest, passed as ``TIDEGATE_*_TTL_S``) so
@@ -36,10 +36,11 @@ ROOT = Path(__file__).resolve().parents[2]
 import redis  # noqa: E402
 
 from tidegate import keys  # noqa: E402
-from tidegate.benchmarks.harness import footprint, record  # noqa: E402
-from tidegate.benchmarks.harness.follow import Trace, follow_ws  # noqa: E402
-from tidegate.benchmarks.harness.http import HttpError, Pool  # noqa: E402
-from tidegate.benchmarks.harness.stack import Stack, StackConfig  # noqa: E402
+from tidegate.benchmarks.harness.load.follow import Trace, follow_ws  # noqa: E402
+from tidegate.benchmarks.harness.load.http import HttpError, Pool  # noqa: E402
+from tidegate.benchmarks.harness.measure import record  # noqa: E402
+from tidegate.benchmarks.harness.run import footprint  # noqa: E402
+from tidegate.benchmarks.harness.run.stack import Stack, StackConfig  # noqa: E402
 
 WORDS = ("tide", "gate", "harbor", "swell", "current", "ebb", "flow", "moon", "shore", "reef")
 

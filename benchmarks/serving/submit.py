@@ -51,8 +51,8 @@ from pathlib import Path
 import redis
 
 from tidegate import keys
-from tidegate.benchmarks.harness import record
-from tidegate.benchmarks.harness.processes import (
+from tidegate.benchmarks.harness.measure import record
+from tidegate.benchmarks.harness.run.processes import (
     ROOT,
     cpu_seconds,
     free_port,
@@ -62,7 +62,7 @@ from tidegate.benchmarks.harness.processes import (
     stop_processes,
     wait_until,
 )
-from tidegate.benchmarks.harness.redis_server import RedisServer
+from tidegate.benchmarks.harness.run.redis_server import RedisServer
 from tidegate.model_files.served_model import default_name
 
 SCENARIOS = ("plain", "chat", "idem", "auth", "long", "limits")

@@ -41,7 +41,7 @@ export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TIDEGATE_KERNEL_CACHE=/tmp/tidegate-k
 ulimit -n 65536 2>/dev/null || ulimit -n 8192
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader \
   2>/dev/null || echo "no nvidia-smi"
-python3 -c "import tidegate.benchmarks.harness.stack" || exit 1
+python3 -c "import tidegate.benchmarks.harness.run.stack" || exit 1
 
 status=0
 # serve NAME SECONDS [more serve.py arguments]: one serve.py run with the caller's "${common[@]}"

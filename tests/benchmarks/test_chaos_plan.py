@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tidegate.benchmarks.harness.chaos_monkey import ChaosPlan
+from tidegate.benchmarks.harness.run.chaos_monkey import ChaosPlan
 
 
 def test_schedule_spreads_every_action_over_the_duration() -> None:

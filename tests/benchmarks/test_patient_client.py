@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from tidegate.benchmarks.harness.patient_client import sse_data
+from tidegate.benchmarks.harness.load.patient_client import sse_data
 
 
 async def test_sse_data_splits_at_newlines_only() -> None:

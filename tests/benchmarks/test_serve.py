@@ -75,7 +75,7 @@ def test_constrained_jobs_are_checked_against_their_schema(tmp_path: Path) -> No
 
 
 def test_the_json_check_tells_prefixes_whole_documents_and_breaks_apart() -> None:
-    from tidegate.benchmarks.harness.json_check import json_prefix_problem, output_problem
+    from tidegate.benchmarks.harness.measure.json_check import json_prefix_problem, output_problem
 
     doc = '{"a": "x\\u00e9", "b": [1, -2.5e+3, true, null, {}], "c": {"d": []}}'
     assert all(json_prefix_problem(doc[:k])[0] is None for k in range(len(doc) + 1))

@@ -7,15 +7,15 @@ import random
 
 import pytest
 
-from tidegate.benchmarks.harness.follow import Trace
-from tidegate.benchmarks.harness.loadgen import JobRecord
-from tidegate.benchmarks.harness.metrics import Slo, exactness_problem
-from tidegate.benchmarks.harness.workload import (
+from tidegate.benchmarks.harness.load.follow import Trace
+from tidegate.benchmarks.harness.load.loadgen import JobRecord
+from tidegate.benchmarks.harness.load.workload import (
     QUOTE_ASK,
     build_work,
     exact_prompt,
     poisson_offsets,
 )
+from tidegate.benchmarks.harness.measure.metrics import Slo, exactness_problem
 from tidegate.model_files.model_source import resolve_model
 from tidegate.model_files.tokenizer import load_tokenizer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tidegate.benchmarks.harness.stream_check import StreamCheck
+from tidegate.benchmarks.harness.load.stream_check import StreamCheck
 
 JOB = "j1"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tidegate.benchmarks.harness.chaos_monkey import ChaosPlan
+from tidegate.benchmarks.harness.run.chaos_monkey import ChaosPlan
 from tidegate.benchmarks.serving.chaos import ChaosConfig, headline, run_chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

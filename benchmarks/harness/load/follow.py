@@ -19,7 +19,7 @@ from urllib.parse import urlencode
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from tidegate.benchmarks.harness.http import HttpError, sse_events
+from tidegate.benchmarks.harness.load.http import HttpError, sse_events
 
 FINAL_TYPES = frozenset({"done", "error", "rejected"})
 # Close codes after which a client resumes (README: 1001/1012 restart, 1013 lagging or Redis).

@@ -25,8 +25,8 @@ from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event as EventType
 from queue import Empty
 
-from tidegate.benchmarks.harness.follow import Trace, follow_sse, follow_ws
-from tidegate.benchmarks.harness.http import HttpError, Pool
+from tidegate.benchmarks.harness.load.follow import Trace, follow_sse, follow_ws
+from tidegate.benchmarks.harness.load.http import HttpError, Pool
 
 FINAL_STATUSES = frozenset({"done", "error", "rejected"})
 POLL_EVERY_S = 0.2

@@ -21,7 +21,7 @@ import httpx
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
-from tidegate.benchmarks.harness.stream_check import StreamCheck
+from tidegate.benchmarks.harness.load.stream_check import StreamCheck
 
 RETRY_S = 0.3  # between attempts while a service is away
 # A stream quiet this long is looked into: if the job has ended meanwhile, the stream stalled

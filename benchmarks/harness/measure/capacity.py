@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from tidegate import keys
-from tidegate.benchmarks.harness.loadgen import (
+from tidegate.benchmarks.harness.load.loadgen import (
     ClientPlan,
     Endpoints,
     JobSpec,
@@ -31,14 +31,14 @@ from tidegate.benchmarks.harness.loadgen import (
     run_load,
     shard,
 )
-from tidegate.benchmarks.harness.metrics import (
+from tidegate.benchmarks.harness.load.workload import WORDS
+from tidegate.benchmarks.harness.measure.metrics import (
     Dist,
     Slo,
     exactness_problem,
     generator_use,
     stack_shares,
 )
-from tidegate.benchmarks.harness.workload import WORDS
 from tidegate.events.event_log import EVENT_FIELD
 from tidegate.http.auth import ANONYMOUS, new_stream_token, tenant_of, token_hash
 from tidegate.protocol import (

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tidegate.benchmarks.harness.loadgen import JobRecord, LoadResult
+from tidegate.benchmarks.harness.load.loadgen import JobRecord, LoadResult
 
 MAX_EXAMPLES = 5
 GENERATOR_BUSY = 0.8  # a generator process above this share of a core may be the limit
@@ -107,7 +107,7 @@ class RunSummary:
     # events, tokens (worker/service/metrics.py).
     worker_time: dict[str, dict[str, float]] = field(default_factory=dict)
     # Runs with --response-format: the outputs checked against their schemas
-    # (tidegate.benchmarks.harness.json_check.JsonCheck).
+    # (tidegate.benchmarks.harness.measure.json_check.JsonCheck).
     json_outputs: dict[str, object] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 

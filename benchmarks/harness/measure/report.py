@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from tidegate.benchmarks.harness.metrics import Dist, RunSummary
+from tidegate.benchmarks.harness.measure.metrics import Dist, RunSummary
 
 COLUMNS = ("kind", "jobs", "done", "tok/s", "alone", "ratio", "TTFT p50/p99", "TPOT p50/p99",
            "ITL p50/p99", "E2E p50/p99 s", "goodput", "exact")

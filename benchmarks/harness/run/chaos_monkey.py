@@ -27,7 +27,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from tidegate.benchmarks.harness.chaos_stack import ChaosStack
+from tidegate.benchmarks.harness.run.chaos_stack import ChaosStack
 
 
 @dataclass(frozen=True, slots=True)

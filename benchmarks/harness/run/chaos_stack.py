@@ -14,9 +14,9 @@ import os
 import time
 from pathlib import Path
 
-from tidegate.benchmarks.harness.processes import free_port, http_ready, log_tail
-from tidegate.benchmarks.harness.redis_server import redis_answers, redis_argv
-from tidegate.benchmarks.harness.stack import (
+from tidegate.benchmarks.harness.run.processes import free_port, http_ready, log_tail
+from tidegate.benchmarks.harness.run.redis_server import redis_answers, redis_argv
+from tidegate.benchmarks.harness.run.stack import (
     TIDEGATE,
     Stack,
     StackConfig,

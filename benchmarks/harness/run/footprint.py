@@ -5,7 +5,7 @@ done, cancelled, rejected, error, or still queued/running), lane streams (with t
 count), idempotency claims, dead-letter streams, batch keys, worker heartbeats. Run it against
 a live Redis::
 
-    python -m tidegate.benchmarks.harness.footprint redis://127.0.0.1:6379/0
+    python -m tidegate.benchmarks.harness.run.footprint redis://127.0.0.1:6379/0
 """
 
 from __future__ import annotations

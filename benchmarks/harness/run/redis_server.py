@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tidegate.benchmarks.harness.processes import free_port, stop_processes
+from tidegate.benchmarks.harness.run.processes import free_port, stop_processes
 
 
 def redis_argv(exe: str, port: int, data_dir: Path, *, appendfsync: str | None = None,

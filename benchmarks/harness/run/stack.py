@@ -20,7 +20,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tidegate.benchmarks.harness.processes import (
+from tidegate.benchmarks.harness.load.workload import Work
+from tidegate.benchmarks.harness.run.processes import (
     cpu_seconds,
     free_port,
     http_ready,
@@ -28,8 +29,7 @@ from tidegate.benchmarks.harness.processes import (
     spawn,
     stop_processes,
 )
-from tidegate.benchmarks.harness.redis_server import redis_answers, redis_argv
-from tidegate.benchmarks.harness.workload import Work
+from tidegate.benchmarks.harness.run.redis_server import redis_answers, redis_argv
 
 TIDEGATE = [sys.executable, "-m", "tidegate"]
 # Re-exported: the stack's users import the process helpers from here as well.

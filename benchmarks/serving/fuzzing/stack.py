@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidegate.benchmarks.harness.processes import ROOT, free_port, safe_env, stop_processes
-from tidegate.benchmarks.harness.redis_server import RedisServer
+from tidegate.benchmarks.harness.run.processes import ROOT, free_port, safe_env, stop_processes
+from tidegate.benchmarks.harness.run.redis_server import RedisServer
 
 KEYS = ("tg-fuzz-alpha-7c1e0d9a", "tg-fuzz-bravo-3b8f2e6c")
 MODEL = "random:tiny"
