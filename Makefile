@@ -12,7 +12,7 @@ up: setup
 # -P: the working directory (the repository root) never goes on sys.path ahead of installed
 # packages; pyproject's --import-mode=append puts it last, for the tests' own helpers.
 test: setup redis-server browser compose-tools
-	$(BIN)/python -P -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -P -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 setup: $(STAMP)
 

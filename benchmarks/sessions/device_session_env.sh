@@ -3,6 +3,13 @@
 # (the benchmarks run as `python3 -m tidegate.benchmarks.<room>.<name>`); a kernel cache, enough
 # file descriptors for the stack, and what the machine is.
 #
+# The wheels the 'cuda' image lacked on 2026-12-06 (Python 3.12; fetched here with
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 ...`):
+# redis<6 and pyjwt (redis 5.3 imports it), hiredis, arq, pydantic, pydantic-core,
+# pydantic-settings, python-dotenv, annotated-types, typing-inspection, typing-extensions,
+# starlette, uvicorn, websockets, httptools, gguf, fakeredis, lupa, llguidance; for the tests
+# also pytest-asyncio, jsonschema, jsonschema-specifications, referencing, rpds-py.
+#
 # NO_WHEELS=1: a CPU rehearsal in the project's own environment (first on PATH), where tidegate
 # is installed already (editable): nothing is installed, PYTHONPATH is left alone.
 #
