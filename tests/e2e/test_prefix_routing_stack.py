@@ -39,6 +39,7 @@ SERVED = "random_tiny"  # its served name: its lanes', streams' and routing tabl
 WORKERS = 4
 PREFIX_TOKENS = 512
 # Short visibility timeout: a killed worker's running jobs are reclaimed within the test.
+STEAL_DELAY_MS = "2000"  # this module's fleet (see ``fleet``)
 ENV = {"TIDEGATE_MODEL": MODEL, "TIDEGATE_VISIBILITY_TIMEOUT_S": "4",
        "TIDEGATE_STEAL_DELAY_MS": "200", "TIDEGATE_LOG_LEVEL": "WARNING"}
 
@@ -83,7 +84,13 @@ def _metrics(proc: Proc) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def fleet(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[Fleet]:
-    with running_fleet(redis_server, tmp_path_factory.mktemp("routing-logs")) as out:
+    # An idle worker steals what waited STEAL_DELAY_MS on another's stream, and computes its
+    # prefix again. At the default 200 ms, a routed job queued behind its worker's share of a
+    # 16-job burst on a CPU shared by every process (CI: 2 cores) was stolen now and then, and
+    # the prefix count depended on the machine's load (13 of 200 jobs stolen with two cores
+    # busy). Here routing alone places the jobs; a dead worker's queue is stolen 2 s on.
+    with running_fleet(redis_server, tmp_path_factory.mktemp("routing-logs"),
+                       TIDEGATE_STEAL_DELAY_MS=STEAL_DELAY_MS) as out:
         yield out
 
 

@@ -136,6 +136,7 @@ async def test_a_thousand_jobs_with_cancellations_and_late_watchers_are_exact(
                 httpx.AsyncClient(base_url=api, timeout=60) as canceller):
         accepted: dict[str, dict] = {}
         cancels: dict[str, str] = {}
+        finished_first: set[str] = set()  # cancelled too late: done before the cancel came
         live: dict[str, list[dict]] = {}
 
         async def call(method: str, url: str, *, client: httpx.AsyncClient = http,
@@ -158,9 +159,16 @@ async def test_a_thousand_jobs_with_cancellations_and_late_watchers_are_exact(
                 await asyncio.sleep(0 if i % (2 * CANCEL_EVERY) else rng.uniform(0.05, 0.4))
                 c, retried = await call("POST", f"/v1/jobs/{body['id']}/cancel",
                                         client=canceller)
-                # 409 only when a retried cancel's first try had ended the queued job.
-                assert c.status_code == 202 or (retried and c.status_code == 409), c.text
-                cancels[body["id"]] = c.json()["status"] if c.status_code == 202 else "retried"
+                # 409 when a retried cancel's first try had ended the queued job, or when the
+                # job finished before the cancel came (a short job on a busy machine: the
+                # delay above is no promise); that job then ends as if never cancelled.
+                if c.status_code == 409 and not retried:
+                    assert c.json()["error"]["status"] == "done", c.text
+                    finished_first.add(body["id"])
+                else:
+                    assert c.status_code == 202 or (retried and c.status_code == 409), c.text
+                    cancels[body["id"]] = (c.json()["status"] if c.status_code == 202
+                                           else "retried")
             if i % 50 == 0:  # some followed live from the start
                 live[body["id"]] = await read_stream(f"{body['stream_url']}?token="
                                                      f"{body['stream_token']}")
@@ -203,7 +211,7 @@ async def test_a_thousand_jobs_with_cancellations_and_late_watchers_are_exact(
         reason = stored[job_id]["finish_reason"]
         reasons[reason] = reasons.get(reason, 0) + 1
         assert (reason == "cancelled") == (job_id in cancels), (job_id, reason)
-    assert len(cancels) == JOBS // CANCEL_EVERY
+    assert len(cancels) + len(finished_first) == JOBS // CANCEL_EVERY
     # Cancels reached jobs in both states: still queued (ended at once) and running.
     assert {"cancelled", "cancelling"} <= set(cancels.values()), cancels
     assert reasons.get("length", 0) > JOBS // 3, reasons
