@@ -32,10 +32,6 @@ from tidegate.benchmarks.harness.run.processes import (
 from tidegate.benchmarks.harness.run.redis_server import redis_answers, redis_argv
 
 TIDEGATE = [sys.executable, "-m", "tidegate"]
-# Re-exported: the stack's users import the process helpers from here as well.
-__all__ = ["TIDEGATE", "Stack", "StackConfig", "StackError", "base_env", "cpu_seconds",
-           "free_port", "http_ready", "log_tail", "run_engine_alone", "spawn", "stop_processes",
-           "worker_env", "worker_counters"]
 
 
 @dataclass(frozen=True, slots=True)
