@@ -11,8 +11,12 @@ up: setup
 
 # -P: the working directory (the repository root) never goes on sys.path ahead of installed
 # packages; pyproject's --import-mode=append puts it last, for the tests' own helpers.
+# One pytest-xdist process per CPU (TEST_PROCESSES=0: one process); worksteal hands a process
+# that ran out of tests the other's queued ones. The 25 slowest tests and the wall time close
+# the run.
+TEST_PROCESSES ?= auto
 test: setup redis-server browser compose-tools
-	$(BIN)/python -P -m pytest -q --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -P -m pytest -q -n $(TEST_PROCESSES) --dist worksteal --durations=25 $(PYTEST_ARGS)
 
 setup: $(STAMP)
 

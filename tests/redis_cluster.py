@@ -8,9 +8,7 @@ never flaky. The session fixtures that own one of these live in ``tests/conftest
 
 from __future__ import annotations
 
-import random
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -21,45 +19,20 @@ import pytest
 import redis
 from redis.cluster import key_slot
 
+from tests.ports import free_port
+
 HOST = "127.0.0.1"
 NODES = 6
 SLOTS = 16384
-# Redis listens for the cluster bus on port + 10000, which must stay below 65536.
-BUS_OFFSET = 10000
-LOWEST_PORT = 20000
-HIGHEST_PORT = 65535 - BUS_OFFSET  # exclusive
 WAIT_S = 30.0
 POLL_S = 0.05
 
 SlotRange = tuple[int, int]
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-        return True
-
-
 def free_cluster_ports(count: int) -> list[int]:
-    """Ports ``p`` with ``p`` and ``p + 10000`` (the cluster bus) both free and distinct.
-
-    Not ``bind(0)``: the kernel may hand out a port whose bus port is taken or above 65535.
-    """
-    chosen: list[int] = []
-    taken: set[int] = set()
-    for _ in range(10_000):
-        port = random.randrange(LOWEST_PORT, HIGHEST_PORT)
-        if {port, port + BUS_OFFSET} & taken:
-            continue
-        if _bindable(port) and _bindable(port + BUS_OFFSET):
-            chosen.append(port)
-            taken |= {port, port + BUS_OFFSET}
-            if len(chosen) == count:
-                return chosen
-    raise RuntimeError(f"found only {len(chosen)} of {count} free port pairs for the cluster")
+    """Ports ``p`` with ``p`` and ``p + 10000`` (the cluster bus) both free and distinct."""
+    return [free_port(with_bus=True) for _ in range(count)]
 
 
 def cluster_executables() -> tuple[str, str] | None:

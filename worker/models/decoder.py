@@ -317,7 +317,10 @@ class DecoderModel(nn.Module):
         first = partition is None or partition.first
         last = partition is None or partition.last
         # A stage holds the embedding if it takes token ids, or its LM head is the embedding.
-        self.embed_tokens = (nn.Embedding(rows, cfg.hidden_size)
+        # Built on its own weight, so no random init runs: on the meta device (the loaders'
+        # empty_model) nn.Embedding's normal_ imports torch._dynamo, 1.7 s of every start.
+        self.embed_tokens = (nn.Embedding(rows, cfg.hidden_size,
+                                          _weight=torch.empty(rows, cfg.hidden_size))
                              if first or (last and cfg.tie_word_embeddings) else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
@@ -325,8 +328,11 @@ class DecoderModel(nn.Module):
             None if cfg.tie_word_embeddings or not last
             else nn.Linear(cfg.hidden_size, rows, bias=False)
         )
-        self.register_buffer("rope_cache", global_rope(cfg), persistent=False)
-        self.register_buffer("rope_cache_local", local_rope(cfg), persistent=False)
+        # Computed on the CPU even under the meta device (the loaders' empty_model, which
+        # moves them to the model's device): meta's arange imports torch._dynamo (seconds).
+        with torch.device("cpu"):
+            self.register_buffer("rope_cache", global_rope(cfg), persistent=False)
+            self.register_buffer("rope_cache_local", local_rope(cfg), persistent=False)
 
     def rope_for(self, layer: int) -> torch.Tensor:
         """The rotary table layer ``layer`` rotates with."""

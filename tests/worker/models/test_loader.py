@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -224,3 +226,18 @@ def test_quantize_at_load_refuses_what_it_cannot_round(tmp_path: Path) -> None:
 def test_an_unknown_cpu_activation_mode_is_refused_by_name() -> None:
     with pytest.raises(ModelLoadError, match="cpu_activations must be one of auto, float, int8"):
         load_model("random:tiny", cpu_activations="int4")
+
+
+def test_loading_a_model_imports_neither_dynamo_nor_sympy() -> None:
+    """A worker's start: building the model on the meta device must not reach torch's Python
+    decompositions (meta ``normal_``/``arange``/``empty_like``), which import torch._dynamo and
+    sympy, seconds of every worker's start."""
+    code = ("import sys\n"
+            "from tidegate.worker.models.loaders.loader import load_model\n"
+            "for spec in ('random:tiny', 'smollm2'):\n"
+            "    load_model(spec)\n"
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from tidegate.kernels.cpu.native_cpu import native_kernels
 from tidegate.kernels.weights.fp8_weight import Fp8Weight
@@ -45,8 +46,6 @@ from tidegate.worker.models.decoder import (
     DecoderModel,
     Partition,
     TensorSource,
-    global_rope,
-    local_rope,
 )
 from tidegate.worker.models.loaders.gguf_weights import GGUFWeights
 from tidegate.worker.models.loaders.hf_weights import SafetensorsWeights
@@ -280,6 +279,13 @@ def packed_serves(device: str | torch.device, dtype: torch.dtype) -> bool:
             and native_kernels() is not None)
 
 
+def _empty(like: torch.Tensor, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """An uninitialised tensor of ``like``'s shape on ``device``, in ``dtype`` if ``like`` is
+    floating point (as ``Module.to(dtype=...)`` casts)."""
+    return torch.empty(like.shape, dtype=dtype if like.is_floating_point() else like.dtype,
+                       device=device)
+
+
 def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dtype, *,
                 packed: Callable[[str], PackedMatrix | None] | None = None,
                 sources: Sequence[TensorSource] | None = None,
@@ -287,19 +293,26 @@ def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dt
     """A model with uninitialised weights allocated once, in ``dtype`` on ``device``.
 
     Built on the meta device first so an 8B model never exists as a float32 CPU copy; the rope
-    cache is then recomputed for real and kept in float32 (positions need the precision).
+    tables, computed on the CPU all the same, are kept in float32 (positions need the precision).
     ``packed`` (name -> packed matrix or None) swaps packed modules in before anything is
     allocated.
     """
     with torch.device("meta"):
         model = DecoderModel(config, partition)
+    rope, rope_local = model.rope_cache, model.rope_cache_local  # float32, on the CPU
     if packed is not None:
         model.adopt_packed(packed, sources)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    for module in model.modules():  # packed weights are attributes, which Module.to leaves
+    for module in model.modules():
+        # Module.to_empty's empty_like of a meta tensor imports sympy (0.5 s of every start).
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(_empty(param, dtype, device),
+                                               requires_grad=param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, _empty(buffer, dtype, device))
+        # Packed weights are attributes, which Module.to leaves.
         if isinstance(weight := getattr(module, "weight", None), IntWeight | Fp8Weight):
             module.weight = weight.to(device)
-    model.rope_cache = global_rope(config).to(device)
-    if (local := local_rope(config)) is not None:
-        model.rope_cache_local = local.to(device)
+    model.rope_cache = rope.to(device)
+    if rope_local is not None:
+        model.rope_cache_local = rope_local.to(device)
     return model.eval()
