@@ -14,9 +14,12 @@ up: setup
 # One pytest-xdist process per CPU (TEST_PROCESSES=0: one process); worksteal hands a process
 # that ran out of tests the other's queued ones. The 25 slowest tests and the wall time close
 # the run.
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE): the
+# suite starts hundreds of Python processes, and each would compile tidegate's sources again.
 TEST_PROCESSES ?= auto
 test: setup redis-server browser compose-tools
-	$(BIN)/python -P -m pytest -q -n $(TEST_PROCESSES) --dist worksteal --durations=25 $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -P -m pytest -q -n $(TEST_PROCESSES) \
+		--dist worksteal --durations=25 $(PYTEST_ARGS)
 
 setup: $(STAMP)
 

@@ -148,20 +148,23 @@ async def test_overload_admitted_jobs_meet_deadlines_the_rest_are_rejected_fast(
     # and the burst.
     workers.start(model="smollm2", max_num_seqs=16, shedding_safety=2.5)
     await wait_for_workers(r, 1)
-    # Several times what one CPU worker finishes in 10 s: 64 jobs of 128 tokens (8-bit
-    # activations made 48 jobs of 32 fit inside the deadline).
+    # Several times what one CPU worker finishes in 10 s: 64 jobs of 64 tokens (8-bit
+    # activations made 48 jobs of 32 fit inside the deadline). Not 128: a worker of one thread
+    # beside another test process (make test) was calibrated too slow to admit any such job
+    # within 10 s with the 2.5x margin, and rightly rejected all 64.
     sent = {}
     for i in range(64):
-        sent[await submit(r, prompt=f"job {i}: count to fifty", max_tokens=128, ignore_eos=True,
+        sent[await submit(r, prompt=f"job {i}: count to fifty", max_tokens=64, ignore_eos=True,
                           timeout_s=10)] = now_ms()
-    # Poll the stored results (light on the CPU the worker needs) until every job has ended.
-    results = {}
+    # Poll the stored results (light on the CPU the worker needs) until every job has ended,
+    # noting when each was first seen ended (events carry sequence ids, not times).
+    results, ended_ms = {}, {}
     while len(results) < len(sent):
         await asyncio.sleep(0.2)
         for job_id in sent.keys() - results.keys():
             res = await read_result(r, job_id)
             if res.status in ("done", "rejected", "error"):
-                results[job_id] = res
+                results[job_id], ended_ms[job_id] = res, now_ms()
     done = [res for res in results.values() if res.status == "done"]
     rejected = [job_id for job_id, res in results.items() if res.status == "rejected"]
     assert done and rejected, (len(done), len(rejected))
@@ -171,11 +174,7 @@ async def test_overload_admitted_jobs_meet_deadlines_the_rest_are_rejected_fast(
     # Rejections are quick: a job waits in the stream only while it could still make its
     # deadline once a seat frees, so every one is answered before its 10 s deadline (they are
     # cannot_meet_deadline, not expired) and the median in the first half of it.
-    waits = []
-    for job_id in rejected:
-        stored = await r.xrevrange(keys.job_events(job_id), count=1)
-        waits.append(int(stored[0][0].split("-")[0]) - sent[job_id])
-    waits.sort()
+    waits = sorted(ended_ms[job_id] - sent[job_id] for job_id in rejected)
     print(f"rejection latency ms: p50 {waits[len(waits) // 2]}, max {waits[-1]}")
     assert waits[len(waits) // 2] < 5000 and waits[-1] < 10_000, waits
 
