@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -24,10 +25,21 @@ def _threads_per_process() -> int:
     return max(1, len(os.sched_getaffinity(0)) // processes)
 
 
+def _users_own(name: str) -> str:
+    """``name`` as the user's shell gave it ("" if unset), not as this file set it: the run's
+    first process records it, and pytest-xdist's processes, which inherit that process's
+    environment with this file's choices in it, read the record."""
+    record = f"TIDEGATE_TESTS_USER_{name}"
+    if record not in os.environ:
+        os.environ[record] = os.environ.get(name, "")
+    return os.environ[record]
+
+
 # Before torch is imported; the worker processes tests start inherit it (an explicit
 # OMP_NUM_THREADS wins). A worker's status port, unless a test names one: this process's own,
-# not the default 9400 that the xdist process beside it would contend for.
-os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_process()))
+# not the default 9400 (nor the first process's choice) that the xdist process beside it would
+# contend for.
+os.environ["OMP_NUM_THREADS"] = _users_own("OMP_NUM_THREADS") or str(_threads_per_process())
 
 import torch  # noqa: E402
 
@@ -35,7 +47,7 @@ from tests.ports import free_port  # noqa: E402
 from tests.redis_cluster import ClusterServers, start_cluster  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-os.environ.setdefault("TIDEGATE_METRICS_PORT", str(free_port()))
+os.environ["TIDEGATE_METRICS_PORT"] = _users_own("TIDEGATE_METRICS_PORT") or str(free_port())
 
 # Every Python process a test starts imports the installed (editable) tidegate, never a folder
 # of the repository root by way of its working directory (``kernels/`` would hide Hugging Face's
@@ -67,6 +79,29 @@ def _interpreter_loop_bounds() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_loop_bounds()
+
+
+# A directory for this pytest run, shared by its xdist processes: tests/worker/hf_oracle.py
+# converts the default GGUF for transformers there once instead of once in each process (~15 s
+# of CPU each). The process that starts the run makes it before pytest-xdist starts the others,
+# which inherit the environment, and removes it at the end: every run converts afresh, so a
+# changed GGUF or transformers never meets an earlier run's copy.
+SHARED_DIR_ENV = "TIDEGATE_TEST_SHARED_DIR"  # read by tests/worker/hf_oracle.py
+_SHARED_DIR = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the run's own process, not an xdist one
+        shared = Path(tempfile.mkdtemp(prefix="tidegate-tests-"))
+        config.stash[_SHARED_DIR] = shared
+        os.environ[SHARED_DIR_ENV] = str(shared)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # After the xdist processes have exited (they end with the session, before this hook).
+    shared = config.stash.get(_SHARED_DIR, None)
+    if shared is not None:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 @dataclass

@@ -13,6 +13,7 @@ them where they build, else the plain-torch reference (one warning); ``reference
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -97,19 +98,25 @@ def build(sources: tuple[Path, ...] = SOURCES, defines: tuple[str, ...] = ()) ->
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: processes starting together never load a half file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *flags, *map(str, sources), "-o", tmp], capture_output=True,
-                              text=True, timeout=300)
-        if proc.returncode != 0:
-            names = ", ".join(src.name for src in sources)
-            raise NativeBuildError(f"{cc} failed on {names}: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # One compiler run however many processes start together on a fresh machine (a pod's
+    # workers, a test run's processes): the others wait on the lock and find the build.
+    with open(target.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        # Build beside the target and rename: a process never loads a half-written file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, *flags, *map(str, sources), "-o", tmp],
+                                  capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                names = ", ".join(src.name for src in sources)
+                raise NativeBuildError(f"{cc} failed on {names}: {proc.stderr.strip()[-2000:]}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return target
 
 

