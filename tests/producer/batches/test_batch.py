@@ -118,7 +118,13 @@ def test_cancel_ends_the_batch_with_every_line_accounted_for(
             f.write(json.dumps({"custom_id": f"c{i}", "body": {
                 "prompt": f"line {i}", "max_tokens": 200}}) + "\n")
     batch_id = cli("batch", "submit", str(tmp_path / "in.jsonl"), url=url).stdout.strip()
-    time.sleep(1.0)
+    # Cancel once the batch worker has begun queuing its lines (not after a fixed second).
+    client = redis.Redis.from_url(url, decode_responses=True)
+    deadline = time.monotonic() + 60
+    while client.hlen(keys.batch_enqueued(batch_id)) == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    client.close()
     out = cli("batch", "cancel", batch_id, url=url)
     assert out.returncode == 0, out.stderr
     state = wait_done(batch_id, url)
