@@ -55,7 +55,7 @@ def start_parallel_engine(model: str, layout: ParallelLayout, config: EngineConf
     except BaseException:
         ranks.kill()
         raise
-    runner.on_lost = ranks.lost
+    runner.on_lost = ranks.collective_failed
     engine.on_close.append(ranks.close)
     engine.on_close.append(group.close)
     log.info("loaded %s as %d ranks (tensor parallel %d x pipeline %d) in %.1fs; rank 0 "

@@ -30,7 +30,8 @@ class ParallelRunner:
         self._writer = PlanWriter()
         self._queued: list[Op] = []
         self._stopped = False
-        # What a lost rank does to the worker (``RankProcesses.lost``); None: raise.
+        # What a lost rank does to the worker, given the collective's error
+        # (``RankProcesses.collective_failed``); None: raise.
         self.on_lost: Callable[[str], NoReturn] | None = None
 
     @property
@@ -91,7 +92,7 @@ class ParallelRunner:
         """A collective failed: a rank gone ends the worker (``on_lost``); anything else is
         raised as it is."""
         if self.on_lost is not None and is_peer_lost(exc):
-            self.on_lost(f"a collective failed ({str(exc).splitlines()[0][:200]})")
+            self.on_lost(str(exc).splitlines()[0][:200])
         raise exc
 
     def free(self, request_id: str) -> None:

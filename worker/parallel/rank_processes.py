@@ -88,6 +88,7 @@ class RankProcesses:
         self.procs: list[BaseProcess] = []
         self._closing = threading.Event()
         self._lost_lock = threading.Lock()
+        self._reaping = threading.Lock()
         for rank in range(1, layout.world):
             proc = ctx.Process(target=follower_main, name=f"tidegate-rank{rank}",
                                args=(layout, rank, self.init_method, spec, os.getpid()),
@@ -99,16 +100,34 @@ class RankProcesses:
         self._watch.start()
 
     def _watch_ranks(self) -> None:
-        sentinels = {p.sentinel: p for p in self.procs}
-        ready = wait(list(sentinels))
-        if self._closing.is_set():
+        dead = self._exited(timeout_s=None)
+        if dead is None or self._closing.is_set():
             return
+        self.lost(dead)
+
+    def _exited(self, timeout_s: float | None) -> str | None:
+        """Which rank's process exited and how, waiting up to ``timeout_s`` (None: until
+        one does); None if none did in that time."""
+        sentinels = {p.sentinel: p for p in self.procs}
+        ready = wait(list(sentinels), timeout=timeout_s)
+        if not ready:
+            return None
         dead = sentinels[ready[0]]
         # The sentinel closes as the process exits, before it can be reaped: wait for its
-        # status (else exitcode reads None).
-        dead.join(timeout=1.0)
-        self.lost(f"rank {dead.name.removeprefix('tidegate-rank')} (pid {dead.pid}) exited "
-                  f"with status {dead.exitcode}")
+        # status (else exitcode reads None). One thread at a time: the watcher and the
+        # runner may both ask, and a second waitpid on a reaped child reads no status.
+        with self._reaping:
+            dead.join(timeout=1.0)
+            code = dead.exitcode
+        return (f"rank {dead.name.removeprefix('tidegate-rank')} (pid {dead.pid}) exited "
+                f"with status {code}")
+
+    def collective_failed(self, detail: str) -> NoReturn:
+        """Rank 0's runner found a peer's connection closed. A killed rank's sockets close a
+        moment before its process is gone, so this often comes before the watcher sees the
+        exit: give it a second, and report the rank and its exit status (what the operator
+        needs) rather than the transport's message, unless no rank process exited."""
+        self.lost(self._exited(timeout_s=1.0) or f"a collective failed ({detail})")
 
     def lost(self, reason: str) -> NoReturn:
         """A rank is gone (its process exited, or a collective found its peer closed): stop
