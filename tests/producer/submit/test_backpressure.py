@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, free_port
 from tests.producer.conftest import serve_stack
 from tidegate import keys
 from tidegate.producer import Client
@@ -122,7 +123,23 @@ async def test_a_reading_is_cached_and_counts_this_process_s_submits(
     assert await backlog.backlog(aredis, "m", "batch") == 1
 
 
-async def test_concurrent_checks_share_one_read(redis_url: str, aredis: aioredis.Redis) -> None:
+@pytest.fixture
+async def own_redis(tmp_path: Path) -> AsyncIterator[aioredis.Redis]:
+    """A redis-server of this test's own: its command counters are server-wide, and the
+    session's server also serves what other tests of this process left running (a module's
+    stack, whose processes read the same streams)."""
+    server = RedisServer(port=free_port(), workdir=tmp_path)
+    server.start()
+    client = aioredis.Redis.from_url(server.url, decode_responses=True)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+async def test_concurrent_checks_share_one_read(own_redis: aioredis.Redis) -> None:
+    aredis = own_redis
     await add_jobs(aredis, 2)
     backlog = LaneBacklog(max_backlog=5, cache_s=60)
     before = (await aredis.info("commandstats")).get("cmdstat_xinfo|groups", {}).get("calls", 0)
