@@ -23,6 +23,7 @@ from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from tests.conftest import SHARED_DIR_ENV
 from tidegate.model_files.model_source import resolve_model
 from tidegate.worker.models.decoder import CausalAttention, DecoderModel
 
@@ -38,11 +39,6 @@ def smollm2_gguf() -> Path:
     path = resolve_model("smollm2").path
     assert path is not None
     return path
-
-
-# Set by tests/conftest.py (its SHARED_DIR_ENV): a directory of this pytest run, shared by its
-# xdist processes.
-SHARED_DIR_ENV = "TIDEGATE_TEST_SHARED_DIR"
 
 
 def _converted_once(name: str, save: Callable[[Path], None]) -> Path | None:

@@ -87,7 +87,7 @@ def quantize_model(spec: str, out: Path, options: QuantizeOptions,
                             f"stores otherwise; AWQ takes {', '.join(AWQ_FAMILIES)} "
                             "(gptq-int4 or rtn-int4 take this model)")
     group = _group_size(config, bits, options.group_size)
-    if options.format == "awq" and (bits != 4 or group is None):
+    if options.format == "awq" and group is None:  # its bits: check_options
         raise QuantizeError("--format awq holds 4-bit integers in groups (not per channel)")
 
     weights: Mapping[str, IntWeight | Fp8Weight] = {}
