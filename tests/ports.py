@@ -6,7 +6,8 @@ pytest-xdist process beside this one may pick it too. So each test process takes
 of ``[10000, 20000)``, below Linux's ephemeral range (32768-60999), and walks it in order;
 a Redis Cluster node's bus port (port + 10000) then lies in ``[20000, 30000)``, also this
 process's own. A port something else holds (a process of an earlier run, a system service) is
-skipped: it is taken only if it binds now.
+skipped: it is taken only if it binds now. ``TIDEGATE_TEST_PORTS=LOW-HIGH`` moves the range, so
+a second suite can run beside one (a part of the suite while a full run goes on).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import random
 import socket
 
 HOST = "127.0.0.1"
-LOWEST, HIGHEST = 10_000, 20_000  # exclusive
+LOWEST, HIGHEST = (int(p) for p in os.environ.get("TIDEGATE_TEST_PORTS",
+                                                  "10000-20000").split("-"))  # exclusive
 BUS_OFFSET = 10_000  # where Redis puts a cluster node's bus
 
 

@@ -144,19 +144,26 @@ class RankProcesses:
     def kill(self) -> None:
         """Kill every rank (start-up failed, or the worker is going down anyway)."""
         self._closing.set()
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-        for p in self.procs:
-            p.join(timeout=5)
+        with self._reaping:  # see close()
+            for p in self.procs:
+                if p.is_alive():
+                    p.kill()
+            for p in self.procs:
+                p.join(timeout=5)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Wait for ranks told to stop (``Engine.close``); kill what is left after
         ``timeout_s``."""
         self._closing.set()
         deadline = time.monotonic() + timeout_s
-        for p in self.procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        # The watcher wakes as the ranks exit and reaps too: reaping one at a time, each
+        # status is recorded before anyone else asks. (A join whose waitpid found the child
+        # already reaped by the other thread, before that thread stored the status, read
+        # None and left the rank listed as alive: a clean-clone run saw "a rank outlived
+        # Engine.close".)
+        with self._reaping:
+            for p in self.procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         self.kill()
 
 
