@@ -5,11 +5,14 @@ Nothing reaches Redis until a request has passed validation and admission
 (``tidegate.producer.submit.submit_path``, the path every submit route shares), and every error is one
 JSON shape naming the fields at fault (``tidegate.producer.errors.error_body``). ``ProducerAPI`` holds
 the routes, so ``tidegate up`` can mount them beside the gateway, and runs the sweeper that
-rejects the expired jobs of models no worker serves (``tidegate.producer.no_worker_sweeper``).
+rejects the expired jobs of models no worker serves (``tidegate.producer.no_worker_sweeper``)
+and warns when live workers serve models this API was not given
+(``tidegate.producer.model_agreement``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,8 +27,10 @@ from tidegate.http.auth import Auth, job_access
 from tidegate.http.openapi import openapi_route
 from tidegate.jobstore import read_result, request_cancel
 from tidegate.operations.operator_routes import metrics_response, readiness_response
+from tidegate.operations.queue_stats import WorkerStats
 from tidegate.producer.adapter_routes import AdapterRoutes
 from tidegate.producer.errors import error_body
+from tidegate.producer.model_agreement import ModelAgreement
 from tidegate.producer.no_worker_sweeper import NoWorkerSweeper
 from tidegate.producer.openai_compat.routes import OpenAIRoutes
 from tidegate.producer.openapi_paths import producer_docs
@@ -36,6 +41,8 @@ from tidegate.producer.submit.refusal import Refusal, answer
 from tidegate.producer.submit.request_body import read_json, with_header_key
 from tidegate.producer.submit.submit_path import SubmitPath
 from tidegate.settings import Settings
+
+log = logging.getLogger("tidegate.api")
 
 
 class ProducerAPI:
@@ -69,9 +76,17 @@ class ProducerAPI:
     async def start(self) -> None:
         """Load the tokenizers (those not given), open the Redis client, start the sweeper."""
         await self.path.start()
+        agreement = ModelAgreement(self.path.catalog.names)
+
+        def check_agreement(workers: list[WorkerStats]) -> None:
+            warning = agreement.observe(w.model for w in workers)
+            if warning is not None:
+                log.warning(warning)
+
         self._sweeper = NoWorkerSweeper(self.path.redis, self.path.catalog.names,
                                         partitions=self.settings.lane_partitions,
-                                        rejected_ttl_s=self.settings.rejected_ttl_s)
+                                        rejected_ttl_s=self.settings.rejected_ttl_s,
+                                        on_workers=check_agreement)
         self._sweeper.start()
 
     async def stop(self) -> None:

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
@@ -24,7 +24,7 @@ from redis.exceptions import RedisError, ResponseError
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
 from tidegate.jobstore import JOB_FIELD, reject_queued
-from tidegate.operations.queue_stats import worker_stats
+from tidegate.operations.queue_stats import WorkerStats, worker_stats
 from tidegate.protocol import now_ms
 
 log = logging.getLogger("tidegate.api")
@@ -41,8 +41,11 @@ class NoWorkerSweeper:
     worker serves."""
 
     def __init__(self, redis: aioredis.Redis, models: Sequence[str], *, partitions: int = 1,
-                 rejected_ttl_s: int = 300, every_s: float = SWEEP_EVERY_S):
+                 rejected_ttl_s: int = 300, every_s: float = SWEEP_EVERY_S,
+                 on_workers: Callable[[list[WorkerStats]], None] | None = None):
         self.redis = redis
+        # Also shown each pass's live workers (the API's model agreement reads the same scan).
+        self.on_workers = on_workers
         self.models = list(models)
         self.partitions = partitions
         self.rejected_ttl_s = rejected_ttl_s
@@ -68,6 +71,8 @@ class NoWorkerSweeper:
     async def sweep(self) -> int:
         """One pass over the unserved models' lanes; how many jobs this call rejected."""
         workers = await worker_stats(self.redis)
+        if self.on_workers is not None:
+            self.on_workers(workers)
         # A worker from before models (no "model" in its heartbeat) served the default model.
         served = {w.model if w.model is not None else self.models[0] for w in workers}
         rejected = 0

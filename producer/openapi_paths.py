@@ -38,7 +38,11 @@ MODEL_CARD = {"type": "object", "required": ["id", "object", "created", "owned_b
                              "created": {"type": "integer"}, "owned_by": {"type": "string"},
                              "parent": {"type": "string",
                                         "description": "an adapter's base model"},
-                             "root": {"type": "string"}}}
+                             "root": {"type": "string"},
+                             "live_workers": {
+                                 "type": "integer", "minimum": 0,
+                                 "description": "live workers serving the model now (0: its "
+                                                "jobs wait for one)"}}}
 ADAPTER = {"type": "object", "required": ["model", "name", "path", "status"],
            "properties": {"model": {"type": "string"}, "name": {"type": "string"},
                           "path": {"type": "string"},
@@ -117,7 +121,7 @@ def _openai_routes(docs: OpenAPIDocs) -> None:
                             "content": {"application/json": {"schema": docs.model(model)}}},
             "responses": {"200": _completion_answer(), **errors}})
     docs.add("/v1/models", "get", {
-        "summary": "The served models with a live worker, and their adapters",
+        "summary": "The served models, each with its live workers, and their adapters",
         "operationId": "listModels", "security": KEY_ONLY,
         "responses": {"200": json_response("Models, each followed by its adapters", {
             "type": "object", "properties": {"object": {"const": "list"},

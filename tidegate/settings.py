@@ -18,7 +18,7 @@ class Settings(BaseSettings):
 
     # REDIS_URL (unprefixed, the common convention) also works; see `load_settings`.
     redis_url: str = DEFAULT_REDIS_URL
-    model: str = Field(default="smollm2", description="smollm2 | HF dir | .gguf | random:<preset>")
+    model: str = Field(default="smollm2", description="smollm2 | HF dir | .gguf | Hub id | random:<preset>")
     # Several served models (``tidegate.model_files.served_model``): "spec" or "name=spec" each
     # (TIDEGATE_MODELS: a comma list or a JSON list; the CLI: --model repeated), or a TOML/JSON
     # file of models with their own engine options and adapters. The first is the default.

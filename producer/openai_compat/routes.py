@@ -3,7 +3,8 @@
 
 A request's ``model`` is a served model's name or alias (``tidegate``: the default model), or
 ``base:ADAPTER`` for one of its LoRA adapters; answers carry the string the caller sent.
-``/v1/models`` lists the models some live worker serves and their registered adapters (as
+``/v1/models`` lists every served model with the count of live workers serving it
+(``live_workers``: 0 says jobs for it wait for a worker) and their registered adapters (as
 ``base:NAME`` entries with a ``parent``, vLLM's convention).
 
 A request is translated into a tidegate ``JobRequest`` (``tidegate.producer.openai_compat.schema``), goes
@@ -16,6 +17,7 @@ OpenAI's shape (``tidegate.producer.openai_compat.errors``).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -78,18 +80,17 @@ class OpenAIRoutes:
         return await self._generate(request, ChatCompletionRequest, ChatShape, "chatcmpl-")
 
     async def list_models(self, request: Request) -> Response:
-        """``GET /v1/models``: the served models some live worker serves, each followed by
-        its registered adapters."""
+        """``GET /v1/models``: every served model (the default first), each with how many
+        live workers serve it and followed by its registered adapters."""
         try:
             self._tenant(request)
-            default = self.path.catalog.default.name
-            live = {w.model or default for w in await worker_stats(self.path.redis)}
+            live = await self._live_workers()
             data: list[dict[str, Any]] = []
             for model in self.path.catalog.models:
-                if model.name in live:
-                    data.append(self._model_card(model.name))
-                    data += [self._model_card(f"{model.name}:{name}", parent=model.name)
-                             for name in await self._adapters(model)]
+                data.append(self._model_card(model.name, live=live[model.name]))
+                data += [self._model_card(f"{model.name}:{name}", parent=model.name,
+                                          live=live[model.name])
+                         for name in await self._adapters(model)]
         except OpenAIError as error:
             return error.response()
         except RedisError as exc:
@@ -104,16 +105,23 @@ class OpenAIRoutes:
             self._tenant(request)
             model = self.path.catalog.get(name)
             if model is not None:
-                return JSONResponse(self._model_card(model.name))
+                live = await self._live_workers()
+                return JSONResponse(self._model_card(model.name, live=live[model.name]))
             base, _, adapter = name.rpartition(":")
             model = self.path.catalog.get(base)
             if model is None or adapter not in await self._adapters(model):
                 raise model_not_found(name, self.path.catalog.names)
+            live = await self._live_workers()
         except OpenAIError as error:
             return error.response()
         except RedisError as exc:
             return _unavailable(exc).response()
-        return JSONResponse(self._model_card(name, parent=model.name))
+        return JSONResponse(self._model_card(name, parent=model.name, live=live[model.name]))
+
+    async def _live_workers(self) -> Counter[str]:
+        """Live workers per served model name (a heartbeat without a model: the default's)."""
+        default = self.path.catalog.default.name
+        return Counter(w.model or default for w in await worker_stats(self.path.redis))
 
     async def _generate(self, request: Request,
                         kind: type[CompletionRequest] | type[ChatCompletionRequest],
@@ -175,9 +183,10 @@ class OpenAIRoutes:
     async def _adapters(self, model: ServedModel) -> list[str]:
         return list(await adapter_registry.registered(self.path.redis, model.name))
 
-    def _model_card(self, model_id: str, *, parent: str | None = None) -> dict[str, Any]:
-        card = {"id": model_id, "object": "model", "created": self.created,
-                "owned_by": OWNED_BY}
+    def _model_card(self, model_id: str, *, parent: str | None = None,
+                    live: int = 0) -> dict[str, Any]:
+        card: dict[str, Any] = {"id": model_id, "object": "model", "created": self.created,
+                                "owned_by": OWNED_BY, "live_workers": live}
         if parent is not None:
             card.update(parent=parent, root=parent)
         return card

@@ -51,11 +51,13 @@ class Admission:
 
     @classmethod
     def for_model(cls, model: str, max_output_tokens: int = MAX_TOKENS_LIMIT) -> Admission:
-        """Admission for a model spec (``smollm2``, a directory, a .gguf, ``random:<preset>``).
+        """Admission for a model spec (``smollm2``, a path, a Hub id, ``random:<preset>``): a
+        Hub id's tokenizer and config only are fetched.
 
         Raises ``tidegate.model_files.model_source.ModelLoadError`` when the model cannot be found.
         """
-        return cls(load_tokenizer(resolve_model(model)), max_output_tokens=max_output_tokens)
+        return cls(load_tokenizer(resolve_model(model, "tokenizer")),
+                   max_output_tokens=max_output_tokens)
 
     def check(self, request: JobRequest) -> JobRequest:
         """The request to enqueue, or ``AdmissionError`` if it cannot fit.

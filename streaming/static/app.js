@@ -49,7 +49,7 @@
 
   // ------------------------------------------------------------------ model and adapter
 
-  // GET /v1/models lists each base model some live worker serves, followed by its adapters
+  // GET /v1/models lists each served base model (with live_workers), followed by its adapters
   // ("base:name" entries with a parent). The first model is chosen at first. Without a list
   // (refused, unreachable, empty) the page sends no model field: the default model runs.
   let modelList = []; // [{id, adapters: [name, ...]}], in the server's order
@@ -66,7 +66,10 @@
   function parseModels(body) {
     const data = body && Array.isArray(body.data) ? body.data : [];
     const named = data.filter((m) => m && typeof m.id === "string");
-    const bases = named.filter((m) => !m.parent).map((m) => ({ id: m.id, adapters: [] }));
+    // Only what a live worker serves is offered (every served model is listed, with its
+    // live_workers count).
+    const bases = named.filter((m) => !m.parent && !(m.live_workers === 0))
+      .map((m) => ({ id: m.id, adapters: [] }));
     for (const m of named) {
       const base = bases.find((b) => b.id === m.parent);
       if (base && m.id.startsWith(`${m.parent}:`)) {

@@ -25,7 +25,8 @@ COMPOSE = ROOT / "compose"
 SCHEMAS = Path(__file__).with_name("schemas")
 K8S_VERSION = "1.33"
 # Variables the files set that are not tidegate settings, and who reads them.
-OTHER_ENV = {"REDIS_ADDRESS"}  # KEDA's redis-streams scaler (addressFromEnv)
+OTHER_ENV = {"REDIS_ADDRESS",  # KEDA's redis-streams scaler (addressFromEnv)
+             "HF_HOME", "HF_TOKEN"}  # huggingface_hub: the shared model cache, gated repos
 
 
 def compose() -> dict:
@@ -180,9 +181,47 @@ def test_environment_variables_are_tidegate_settings() -> None:
         names |= set(services[name]["environment"])
     config = next(d for d in k8s_docs() if d["kind"] == "ConfigMap")
     names |= set(config["data"])
-    for c in containers():
+    for c in containers() + init_containers():
         names |= {e["name"] for e in c.get("env", [])}
     assert names and names <= known, f"unknown variables: {names - known}"
+
+
+def init_containers() -> list[dict]:
+    return [c for d in k8s_docs() if d["kind"] == "Deployment"
+            for c in d["spec"]["template"]["spec"].get("initContainers", [])]
+
+
+def test_the_model_cache_is_one_volume_every_role_shares_filled_by_pull_first() -> None:
+    services = compose()["services"]
+    pull = services["model-pull"]
+    assert parse(pull["command"]).command == "pull"  # type: ignore[attr-defined]
+    home = pull["environment"]["HF_HOME"]
+    [volume] = pull["volumes"]
+    assert volume.split(":") == ["hf-cache", home] and "hf-cache" in compose()["volumes"]
+    for name in ("api", "worker", "batch-worker"):
+        assert services[name]["volumes"] == [volume], name
+        assert services[name]["environment"]["HF_HOME"] == home
+        after = services[name]["depends_on"]["model-pull"]["condition"]
+        assert after == "service_completed_successfully", name
+    config = next(d for d in k8s_docs() if d["kind"] == "ConfigMap")
+    claim = next(d for d in k8s_docs() if d["kind"] == "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # pods on every node share it
+    for d in k8s_docs():
+        if d["kind"] != "Deployment" or d["metadata"]["name"] == "tidegate-gateway":
+            continue
+        pod = d["spec"]["template"]["spec"]
+        [init] = pod["initContainers"]
+        pulled = parse(init["args"])
+        assert pulled.command == "pull"  # type: ignore[attr-defined]
+        [main] = pod["containers"]
+        [mount] = {m["mountPath"] for c in (init, main) for m in c["volumeMounts"]}
+        assert mount == config["data"]["HF_HOME"]
+        [source] = pod["volumes"]
+        assert source["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+        served = parse(main["args"])
+        # The worker pulls the model it serves; the API the tokenizers of every served model.
+        assert getattr(pulled, "model", None) == getattr(served, "model", None)
+        assert pulled.tokenizer_only == (main["name"] == "api")  # type: ignore[attr-defined]
 
 
 def test_prometheus_scrapes_every_role_where_it_listens() -> None:

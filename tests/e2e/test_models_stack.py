@@ -1,6 +1,6 @@
 """Several models through real processes: one API serving two models, a worker per model (and
 one process serving both), on a real redis-server. Each model's jobs reach only its workers,
-/v1/models follows the live ones, and a model whose worker stopped has its jobs rejected
+/v1/models counts the live ones, and a model whose worker stopped has its jobs rejected
 ``no_worker`` at their deadline."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 
@@ -110,7 +111,7 @@ async def test_each_model_s_jobs_reach_only_its_worker_then_no_worker_at_the_dea
         ids = live_workers(url)
         async with httpx.AsyncClient(base_url=base, timeout=30) as http:
             cards = (await http.get("/v1/models")).json()["data"]
-            assert sorted(c["id"] for c in cards) == ["chat", "code"]
+            assert [(c["id"], c["live_workers"]) for c in cards] == [("chat", 1), ("code", 1)]
             for model in ("chat", "code", "tidegate", "chat", "code"):
                 result, events = await run_job(http, url, model=model)
                 served = "chat" if model == "tidegate" else model
@@ -124,7 +125,8 @@ async def test_each_model_s_jobs_reach_only_its_worker_then_no_worker_at_the_dea
                 assert r.status_code == 404 and "model_not_found" in r.text
             stop(workers["code"])
             wait_until(lambda: set(live_workers(url)) == {"chat"}, "the code worker to stop")
-            assert [c["id"] for c in (await http.get("/v1/models")).json()["data"]] == ["chat"]
+            cards = (await http.get("/v1/models")).json()["data"]
+            assert [(c["id"], c["live_workers"]) for c in cards] == [("chat", 1), ("code", 0)]
             started = time.monotonic()
             result, events = await run_job(http, url, model="code", timeout_s=2)
             waited = time.monotonic() - started
@@ -163,3 +165,25 @@ async def test_one_worker_process_serves_two_models(api: tuple[str, str]) -> Non
     finally:
         stop(worker)
     assert worker.returncode == 0
+
+
+def test_an_api_and_a_worker_given_different_models_say_so(redis_server: RedisServer) -> None:
+    # A new user's first try: a worker on random:tiny, the API on its default model.
+    redis_server.flush()
+    url, port = redis_server.url, free_port()
+    worker = start("worker", "--model", "random:tiny", url=url)
+    api = start("api", "--port", str(port), url=url)
+    lines: list[str] = []
+    assert api.stderr is not None
+    threading.Thread(target=lambda: lines.extend(api.stderr), daemon=True).start()
+    try:
+        wait_until(lambda: any("not started with" in line for line in lines)
+                   or api.poll() is not None or worker.poll() is not None, "the API's warning")
+        [warning] = [line for line in lines if "not started with" in line]
+        assert "WARNING" in warning and "random_tiny (1 worker)" in warning
+        assert "none serves SmolLM2-135M-Instruct" in warning
+        cards = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]
+        assert [(c["id"], c["live_workers"]) for c in cards] == [("SmolLM2-135M-Instruct", 0)]
+    finally:
+        stop(api)
+        stop(worker)

@@ -1,6 +1,6 @@
 """Several served models through one API over real HTTP and a real Redis: each job lands on its
 own model's lanes, an unknown model or adapter is 404 ``model_not_found`` (native and OpenAI
-shapes), adapters are registered by admins and listed, and /v1/models follows live workers."""
+shapes), adapters are registered by admins and listed, and /v1/models counts each model's live workers."""
 
 from __future__ import annotations
 
@@ -105,21 +105,31 @@ async def test_a_lora_that_disagrees_with_the_model_suffix_is_422(
     assert r.status_code == 422 and r.json()["error"]["fields"][0]["field"] == "lora"
 
 
-async def test_v1_models_lists_served_models_with_a_live_worker_and_their_adapters(
+async def test_v1_models_lists_served_models_with_their_live_workers_and_adapters(
         http: httpx.AsyncClient, aredis: aioredis.Redis) -> None:
-    assert (await http.get("/v1/models")).json()["data"] == []
+    def listed(cards: list[dict]) -> list[tuple[str, str | None, int]]:
+        return [(c["id"], c.get("parent"), c["live_workers"]) for c in cards]
+
+    # Served models are listed before any worker comes: 0 live workers says their jobs wait.
+    cards = (await http.get("/v1/models")).json()["data"]
+    assert listed(cards) == [("chat", None, 0), ("code", None, 0)]
     await heartbeat(aredis, "w1", "code")
     await adapter_registry.register(aredis, "code", "py", "/adapters/py")
     await adapter_registry.register(aredis, "chat", "sql", "/adapters/sql")
     cards = (await http.get("/v1/models")).json()["data"]
-    assert [(c["id"], c.get("parent")) for c in cards] == [("code", None), ("code:py", "code")]
+    assert listed(cards) == [("chat", None, 0), ("chat:sql", "chat", 0), ("code", None, 1),
+                             ("code:py", "code", 1)]
     await heartbeat(aredis, "w2", "chat")
+    await heartbeat(aredis, "w3", "chat")
     cards = (await http.get("/v1/models")).json()["data"]
-    assert [c["id"] for c in cards] == ["chat", "chat:sql", "code", "code:py"]
+    assert [c["live_workers"] for c in cards] == [2, 2, 1, 1]
+    assert (await http.get("/v1/models/tidegate")).json()["live_workers"] == 2
     for name, expected in (("tidegate", "chat"), ("code", "code"), ("chat:sql", "chat:sql")):
         assert (await http.get(f"/v1/models/{name}")).json()["id"] == expected
-    await aredis.delete(keys.worker_heartbeat("w2"))  # a model answers without a live worker
-    assert (await http.get("/v1/models/chat:sql")).json()["parent"] == "chat"
+    # A model answers without a live worker.
+    await aredis.delete(keys.worker_heartbeat("w2"), keys.worker_heartbeat("w3"))
+    card = (await http.get("/v1/models/chat:sql")).json()
+    assert (card["parent"], card["live_workers"]) == ("chat", 0)
     for missing in ("gpt-4o", "chat:nope", "nope:sql"):
         r = await http.get(f"/v1/models/{missing}")
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -69,7 +69,8 @@ def _check_keys_file(path: str | None) -> None:
 
 
 def _check_models(settings, *, engine: bool = False) -> list:  # noqa: ANN001 - lazily typed
-    """The served models (``--model``, ``--models-file``, ``--lora``), each spec found and,
+    """The served models (``--model``, ``--models-file``, ``--lora``), each spec found (a Hub
+    id fetched: all of it for a worker, ``engine``; its tokenizer and config for the API) and,
     with ``engine``, each one's engine options checked against the device."""
     from tidegate.model_files.model_source import ModelLoadError, resolve_model
     from tidegate.model_files.served_model import ServedModelError, served_models
@@ -77,7 +78,7 @@ def _check_models(settings, *, engine: bool = False) -> list:  # noqa: ANN001 - 
     try:
         models = served_models(settings)
         for model in models:
-            resolve_model(model.spec)
+            resolve_model(model.spec, "weights" if engine else "tokenizer")
             if engine:
                 _check_engine(model.settings(settings))
     except (ModelLoadError, ServedModelError) as exc:
@@ -268,6 +269,12 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise CliError(f"--device {args.device!r}: cpu or cuda[:N]")
     _check_device(args.device)
+    from tidegate.model_files.model_source import resolve_model
+
+    try:  # a Hub id is fetched here, before torch is imported
+        source = resolve_model(args.model)
+    except ModelLoadError as exc:
+        raise CliError(str(exc)) from None
     import torch  # after the checks above, as in cmd_worker
 
     from tidegate.worker.models.loaders.loader import load_model
@@ -278,7 +285,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         raise CliError(f"--dtype {args.dtype!r}: float32, bfloat16, float16 or auto")
     packed = {"auto": None, "packed": True, "dequantized": False}[args.weights]
     try:
-        loaded = load_model(args.model, device=args.device, dtype=dtype, packed=packed,
+        loaded = load_model(source, device=args.device, dtype=dtype, packed=packed,
                             cpu_activations=args.cpu_activations)
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
@@ -370,8 +377,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 def _add_models(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", metavar="[NAME=]SPEC",
-                   help="a model to serve: smollm2 (default) | HF directory | .gguf | "
-                        "random:<preset>, optionally named (NAME=SPEC); repeat it to serve "
+                   help="a model to serve: smollm2 (default) | HF directory | .gguf | Hub "
+                        "id (org/name[@REVISION][:QUANT], org/name/FILE.gguf; fetched into "
+                        "the Hugging Face cache) | random:<preset>, optionally named "
+                        "(NAME=SPEC); repeat it to serve "
                         "several, the first being the default (env TIDEGATE_MODELS, comma list)")
     p.add_argument("--models-file", help="a TOML or JSON file of models to serve, each "
                                          "{name?, spec, aliases?, engine?, loras?} (overrides "
@@ -529,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
         b.set_defaults(func=cmd_batch)
 
     p = sub.add_parser("eval-ppl", help="perplexity of a model over a text file")
-    p.add_argument("model", help="smollm2 | HF directory | .gguf | random:<preset>")
+    p.add_argument("model", help="smollm2 | HF directory | .gguf | Hub id | random:<preset>")
     p.add_argument("--text", required=True, help="UTF-8 text file to score")
     p.add_argument("--context", type=int, default=512,
                    help="tokens per window; the second half of each is scored (default 512)")
@@ -545,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval_ppl)
 
     p = sub.add_parser("quantize", help="write a quantized checkpoint of a model")
-    p.add_argument("src", help="HF model directory | .gguf | smollm2")
+    p.add_argument("src", help="HF model directory | .gguf | Hub id | smollm2")
     p.add_argument("out", help="directory to write (new or empty)")
     p.add_argument("--method", required=True,
                    choices=["rtn-int8", "rtn-int4", "gptq-int8", "gptq-int4", "awq-int4", "fp8"],
@@ -570,6 +579,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
     p.set_defaults(func=cmd_quantize)
 
+    p = sub.add_parser("pull", help="fetch models from the Hugging Face Hub into its cache "
+                                    "(ahead of a start: images, init containers)")
+    p.add_argument("specs", nargs="*", metavar="MODEL",
+                   help="Hub ids (org/name[@REVISION][:QUANT], org/name/FILE.gguf) or any "
+                        "--model spec; none: every model --model, --models-file, "
+                        "TIDEGATE_MODELS or TIDEGATE_MODEL serve, and a draft model")
+    _add_models(p)
+    p.add_argument("--tokenizer-only", action="store_true",
+                   help="only what the API reads: tokenizer and config (a GGUF: its file)")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("models", help="the models in the Hugging Face cache: name, revision, "
+                                      "format, size on disk")
+    p.add_argument("--json", action="store_true", help="one JSON object per model")
+    p.set_defaults(func=cmd_models)
+
     p = sub.add_parser("batch-worker", help="run batches (an arq worker; needs a real Redis)")
     p.add_argument("--redis-url", help="default: env TIDEGATE_REDIS_URL or REDIS_URL")
     p.add_argument("--status-port", type=int, default=9401,
@@ -578,6 +604,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
     p.set_defaults(func=cmd_batch_worker)
     return parser
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from tidegate.model_files.model_source import ModelLoadError, resolve_model
+    from tidegate.model_files.served_model import ServedModelError, served_models
+
+    specs = list(args.specs)
+    if not specs:
+        settings = _settings(args)
+        try:
+            specs = [m.spec for m in served_models(settings)]
+        except ServedModelError as exc:
+            raise CliError(str(exc)) from None
+        if settings.speculative.startswith("draft:"):
+            specs.append(settings.speculative.removeprefix("draft:"))
+    need = "tokenizer" if args.tokenizer_only else "weights"
+    for spec in dict.fromkeys(specs):
+        try:
+            source = resolve_model(spec, need)
+        except ModelLoadError as exc:
+            raise CliError(str(exc)) from None
+        print(f"{spec}: {source.path if source.path is not None else source.name}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from tidegate.model_files.hub_cache import cache_dir, cached_models, human_size
+
+    models = cached_models()
+    if args.json:
+        for m in models:
+            print(json.dumps({"name": m.repo_id, "revision": m.revision, "format": m.format,
+                              "size_bytes": m.size_bytes, "path": str(m.path)}))
+        return 0
+    if not models:
+        print(f"no models in the Hugging Face cache {cache_dir()}", file=sys.stderr)
+        return 0
+    rows = [("NAME", "REVISION", "FORMAT", "SIZE")] + [
+        (m.repo_id, m.revision, m.format, human_size(m.size_bytes)) for m in models]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("   ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False))
+              + "   " + row[3])
+    return 0
 
 
 def cmd_queue_stats(args: argparse.Namespace) -> int:
@@ -766,7 +836,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if level.upper() == "TRACE":  # uvicorn's protocol traces, below DEBUG
         logging.addLevelName(TRACE_LOG_LEVEL, "TRACE")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
+    for noisy in ("httpx", "httpx2"):  # one line per request is noise here (httpx2: the Hub)
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.captureWarnings(True)  # warnings too go through the handlers, so the redactor
     try:
         return args.func(args)

@@ -1,5 +1,6 @@
-"""Which model a spec names: the bundled SmolLM2 GGUF, a GGUF file, a Hugging Face directory or a
-random-weight preset, checked cheaply (no torch) so the API and the CLI can refuse a bad spec early.
+"""Which model a spec names: the bundled SmolLM2 GGUF, a GGUF file, a Hugging Face directory, a
+Hugging Face Hub id (fetched into the Hub's cache: ``tidegate/model_files/hub_cache.py``) or a
+random-weight preset, checked without torch so the API and the CLI can refuse a bad spec early.
 
 The worker turns a ``ModelSource`` into weights (``worker/models/loaders/loader.py``); the API only needs its
 tokenizer (``tidegate/model_files/tokenizer.py``) and context length, both of which this module keeps cheap.
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tidegate.model_files.gguf_file import GGUFFormatError, GGUFHeader, read_gguf_header
+from tidegate.model_files.hub_spec import HubSpecError, Need, parse_hub_spec
 
 DEFAULT_MODEL = "smollm2"
 RANDOM_PREFIX = "random:"
@@ -93,26 +95,32 @@ class ModelLoadError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    spec: str  # what the user gave: "smollm2", a path, "random:<preset>"
+    spec: str  # what the user gave: "smollm2", a path, "random:<preset>", "org/name:Q4_K_M"
     kind: Literal["gguf", "hf", "random"]
     path: Path | None  # the .gguf file or the model directory; None for random
     preset: str | None  # the random preset's name; None otherwise
+    hub_name: str | None = None  # a Hub spec's short name (its files lie in the Hub's cache)
 
     @property
     def name(self) -> str:
         """A short model name for /v1/models and logs."""
         if self.spec in _PACKAGED:
             return _PACKAGED[self.spec][2]
+        if self.hub_name is not None:
+            return self.hub_name
         if self.kind == "random":
             return f"{RANDOM_PREFIX}{self.preset}"
         assert self.path is not None
         return self.path.stem if self.kind == "gguf" else self.path.name
 
 
-def resolve_model(spec: str = DEFAULT_MODEL) -> ModelSource:
+def resolve_model(spec: str = DEFAULT_MODEL, need: Need = "weights") -> ModelSource:
     """Find the model a spec names and check that the files it needs are there.
 
-    Raises ``ModelLoadError`` naming the spec or path and what is missing.
+    A Hub id is fetched into the Hub's cache unless it is there: everything with ``need``
+    "weights" (a worker), only the tokenizer and config with "tokenizer" (the API; a GGUF's
+    tokenizer lies in its one file). Raises ``ModelLoadError`` naming the spec or path and what
+    is missing.
     """
     spec = spec.strip()
     if spec in _PACKAGED:
@@ -130,11 +138,48 @@ def resolve_model(spec: str = DEFAULT_MODEL) -> ModelSource:
         return ModelSource(spec, "gguf", path, None)
     if path.exists():
         raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
+    hub = _hub_source(spec, need)
+    if hub is not None:
+        return hub
     raise ModelLoadError(
         f"model {spec!r}: path {path} does not exist (give {DEFAULT_MODEL!r}, a Hugging Face "
-        f"model directory, a .gguf file or {RANDOM_PREFIX}<preset> with a preset of "
-        f"{', '.join(RANDOM_PRESETS)})"
+        f"model directory, a .gguf file, a Hub id such as org/name or org/name:Q4_K_M, or "
+        f"{RANDOM_PREFIX}<preset> with a preset of {', '.join(RANDOM_PRESETS)})"
     )
+
+
+def model_name(spec: str) -> str:
+    """The short name ``resolve_model(spec).name`` gives, without fetching a Hub model."""
+    spec = spec.strip()
+    if spec not in _PACKAGED and not spec.startswith(RANDOM_PREFIX):
+        try:
+            hub = None if Path(spec).expanduser().exists() else parse_hub_spec(spec)
+        except HubSpecError as exc:
+            raise ModelLoadError(str(exc)) from None
+        if hub is not None:
+            return hub.name
+    return resolve_model(spec).name
+
+
+def _hub_source(spec: str, need: Need) -> ModelSource | None:
+    """A Hub id's files from the Hub's cache (fetched if missing); None if ``spec`` is not one."""
+    try:
+        hub = parse_hub_spec(spec)
+        if hub is None:
+            return None
+        from tidegate.model_files.hub_cache import fetch_model
+
+        found = fetch_model(hub, need)
+    except HubSpecError as exc:
+        raise ModelLoadError(str(exc)) from None
+    path = found.path
+    if found.selection.kind == "gguf":
+        gguf_header(path, arrays=False, tensors=False)
+    else:
+        hf_config(path)
+        if need == "weights":
+            _check_hf_dir(path)
+    return ModelSource(spec, found.selection.kind, path, None, hub.name)
 
 
 def preset_config(name: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tidegate.model_files.model_source import resolve_model
+from tidegate.model_files.model_source import model_name
 from tidegate.settings import Settings
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -43,7 +43,7 @@ class ServedModelError(ValueError):
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     name: str  # key-safe (NAME_RE): lane streams and the adapter registry are named after it
-    spec: str  # what resolve_model / load_model take: smollm2, a directory, a .gguf, random:<p>
+    spec: str  # what resolve_model / load_model take: smollm2, a path, a Hub id, random:<p>
     aliases: tuple[str, ...] = ()  # other names a request may give, e.g. "meta-llama/Llama-3-8B"
     # Per-model overrides of the engine's Settings fields (ENGINE_FIELDS), validated.
     engine: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -81,8 +81,9 @@ def served_models(settings: Settings) -> list[ServedModel]:
 
 
 def default_name(spec: str) -> str:
-    """A model's name when none is given: its source's name, made key-safe."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", resolve_model(spec).name).lstrip("._-")
+    """A model's name when none is given: its source's name, made key-safe (a Hub id's is its
+    repository's name, found without a download)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", model_name(spec)).lstrip("._-")
     return name[:64] or "model"
 
 

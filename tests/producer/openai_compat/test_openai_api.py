@@ -200,19 +200,19 @@ async def live_worker(aredis: aioredis.Redis, model: str = SERVED) -> None:
 
 async def test_models_lists_the_served_model_under_every_name(
         base_url: str, aredis: aioredis.Redis) -> None:
-    def script(expected: list[str]) -> None:
+    def script(live: int) -> None:
         with sync_client(base_url) as client:
             listed = client.models.list()
-            assert [(m.id, m.object, m.owned_by) for m in listed.data] == [
-                (name, "model", "tidegate") for name in expected]
+            assert [(m.id, m.object, m.owned_by, m.live_workers) for m in listed.data] == [
+                (SERVED, "model", "tidegate", live)]
             for name in ("tidegate", MODEL, SERVED):
                 assert client.models.retrieve(name).id == SERVED
             with pytest.raises(openai.NotFoundError):
                 client.models.retrieve("gpt-4o")
 
-    await in_thread(lambda: script([]))  # no live worker serves it yet
+    await in_thread(lambda: script(0))  # listed before a live worker serves it
     await live_worker(aredis)
-    await in_thread(lambda: script([SERVED]))
+    await in_thread(lambda: script(1))
 
 
 # ---------------------------------------------------------------- answers
