@@ -202,17 +202,20 @@ def _handler(hub: HubEmulator) -> type[BaseHTTPRequestHandler]:
             if data is None:
                 self._error(404, "EntryNotFound", f"{path} does not exist", commit=commit)
                 return
-            start = 0
+            start, end = 0, len(data)  # end: exclusive
             ranged = self.headers.get("Range", "")
             if ranged.startswith("bytes="):
-                start = int(ranged[6:].split("-", 1)[0] or 0)
-            self.send_response(206 if start else 200)
+                first, _, last = ranged[6:].partition("-")
+                start = int(first or 0)
+                end = min(end, int(last) + 1) if last else end
+            whole = (start, end) == (0, len(data))
+            self.send_response(200 if whole else 206)
             self.send_header("X-Repo-Commit", commit)
             self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
             self.send_header("Accept-Ranges", "bytes")
-            self.send_header("Content-Length", str(len(data) - start))
-            if start:
-                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            self.send_header("Content-Length", str(end - start))
+            if not whole:
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
             self.end_headers()
             if not body:
                 return
@@ -220,7 +223,7 @@ def _handler(hub: HubEmulator) -> type[BaseHTTPRequestHandler]:
             if hold is not None:
                 hold.wait(60)
             cut = hub.cut(repo_id, path)
-            chunk = data[start:] if cut is None else data[start:start + cut]
+            chunk = data[start:end] if cut is None else data[start:min(end, start + cut)]
             try:
                 self.wfile.write(chunk)
             except OSError:  # the client went away (a test killed it)

@@ -587,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "TIDEGATE_MODELS or TIDEGATE_MODEL serve, and a draft model")
     _add_models(p)
     p.add_argument("--tokenizer-only", action="store_true",
-                   help="only what the API reads: tokenizer and config (a GGUF: its file)")
+                   help="only what the API reads: tokenizer and config (a GGUF: its header)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
     p.set_defaults(func=cmd_pull)
 

@@ -38,6 +38,11 @@ class GGUFFormatError(ValueError):
     """The file is not a GGUF file this reader understands (bad magic, old version, truncated)."""
 
 
+class GGUFTruncatedError(GGUFFormatError):
+    """The header runs past the end of the file: a cut file, or the first bytes of one (the
+    API fetches a Hub GGUF's header alone, growing the prefix until this stops)."""
+
+
 @dataclass(frozen=True, slots=True)
 class GGUFTensorInfo:
     name: str
@@ -84,7 +89,7 @@ class _Cursor:
         start = self.pos + 8
         self.pos = start + length
         if self.pos > len(self.buf):
-            raise GGUFFormatError("string runs past the end of the file")
+            raise GGUFTruncatedError("string runs past the end of the file")
         return self.buf[start:self.pos].decode("utf-8", errors="replace")
 
     def array(self, keep: bool) -> list[Any] | None:
@@ -106,6 +111,8 @@ class _Cursor:
             raise GGUFFormatError(f"unknown array item type {kind}")
         values = array(code)
         end = self.pos + values.itemsize * count
+        if end > len(self.buf):  # else a cut array would come back short, silently
+            raise GGUFTruncatedError("array runs past the end of the file")
         if keep:
             values.frombytes(self.buf[self.pos:end])
         self.pos = end
@@ -132,7 +139,7 @@ def read_gguf_header(
         try:
             return _parse(buf, path, arrays, tensors)
         except struct.error as exc:
-            raise GGUFFormatError("file is truncated") from exc
+            raise GGUFTruncatedError("file is truncated") from exc
 
 
 def _parse(buf: mmap.mmap, path: Path, arrays: bool, tensors: bool) -> GGUFHeader:
@@ -155,6 +162,8 @@ def _parse(buf: mmap.mmap, path: Path, arrays: bool, tensors: bool) -> GGUFHeade
                 metadata[key] = value
         else:
             metadata[key] = cur.scalar(kind)
+    if cur.pos > len(buf):  # a skipped array of strings ran past the end
+        raise GGUFTruncatedError("metadata runs past the end of the file")
     infos: list[GGUFTensorInfo] = []
     if tensors:
         raw = [_tensor_info(cur) for _ in range(n_tensors)]

@@ -35,6 +35,12 @@ from tidegate.model_files.hub_spec import (
 )
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
+# The API reads a GGUF's tokenizer from its header alone: the first bytes of the file, fetched
+# with range requests growing 4x from this until the header parses (a 150k-token vocabulary's
+# header is ~8 MB: 6 requests), kept beside the Hub's cache.
+HEADER_START_BYTES = 16 << 10
+HEADER_MAX_BYTES = 1 << 30
+HEADERS_DIR = "tidegate-gguf-headers"
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
@@ -47,11 +53,14 @@ class HubModel:
     commit: str
     snapshot: Path  # <cache>/models--org--name/snapshots/<commit>
     selection: Selection
+    header: Path | None = None  # a GGUF's header alone (the API's need), else None
 
     @property
     def path(self) -> Path:
-        """What the loaders read: the snapshot directory, or the .gguf file in it."""
+        """What the loaders read: the snapshot directory, the .gguf file in it, or its header."""
         gguf = self.selection.gguf
+        if self.header is not None:
+            return self.header
         return self.snapshot / gguf if gguf is not None else self.snapshot
 
 
@@ -98,6 +107,8 @@ def fetch_model(spec: HubSpec, need: Need = "weights") -> HubModel:
                            f"check the network, or set HF_HUB_OFFLINE=1 to use only the cache")
     selection = choose_files(spec, files, need)
     try:
+        if need == "tokenizer" and selection.gguf is not None:
+            return _gguf_header(spec, commit, selection)
         return _download(spec, commit, files, selection)
     except HubSpecError:
         raise
@@ -157,6 +168,62 @@ def _download(spec: HubSpec, commit: str, files: dict[str, int],
     return HubModel(spec, Path(str(folder)).name, Path(str(folder)), selection)
 
 
+def _gguf_header(spec: HubSpec, commit: str, selection: Selection) -> HubModel:
+    """A GGUF's metadata (tokenizer, context length) without its tensors: the whole file if the
+    cache holds it, else a prefix that holds the header, fetched by range requests."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    from tidegate.model_files.gguf_file import GGUFTruncatedError, read_gguf_header
+
+    assert selection.gguf is not None
+    snapshot = _snapshot(spec, commit)
+    found = _header_or_file(spec, commit, snapshot, selection)
+    if found is not None:
+        return found
+    url = hf_hub_url(spec.repo_id, selection.gguf, revision=commit, endpoint=endpoint())
+    headers = build_hf_headers(token=_token())
+    target = _header_path(spec, commit, selection.gguf)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.incomplete")
+    data, want = b"", HEADER_START_BYTES
+    try:
+        while True:
+            headers["Range"] = f"bytes={len(data)}-{want - 1}"
+            answer = get_session().get(url, headers=headers, follow_redirects=True,
+                                       timeout=60)
+            hf_raise_for_status(answer)
+            data = answer.content if answer.status_code == 200 else data + answer.content
+            partial.write_bytes(data)
+            try:
+                read_gguf_header(partial, arrays=True, tensors=False)
+                break
+            except GGUFTruncatedError:
+                if len(data) < want or want >= HEADER_MAX_BYTES:  # the file ended: it is cut
+                    raise
+                want *= 4
+        partial.replace(target)
+    finally:
+        partial.unlink(missing_ok=True)
+    ref = _headers(spec) / "refs" / (spec.revision or "main")  # for offline starts
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    ref.write_text(commit)
+    return HubModel(spec, commit, snapshot, selection, target)
+
+
+def _header_or_file(spec: HubSpec, commit: str, snapshot: Path,
+                    selection: Selection) -> HubModel | None:
+    assert selection.gguf is not None
+    if (snapshot / selection.gguf).is_file():
+        return HubModel(spec, commit, snapshot, selection)
+    header = _header_path(spec, commit, selection.gguf)
+    return HubModel(spec, commit, snapshot, selection, header) if header.is_file() else None
+
+
+def _header_path(spec: HubSpec, commit: str, gguf: str) -> Path:
+    return _headers(spec) / commit / gguf
+
+
 def _shards(index: Path, spec: HubSpec, files: dict[str, int]) -> list[str]:
     try:
         data = json.loads(index.read_text())
@@ -192,17 +259,25 @@ def _check_disk(spec: HubSpec, wanted: list[str], files: dict[str, int], snapsho
 
 def _from_cache(spec: HubSpec, need: Need, why: str) -> HubModel:
     """The spec served from the cache as it is: the revision's commit from refs/, the files
-    from the cached tree listing (else what the snapshot holds)."""
-    storage = cache_dir() / f"models--{spec.repo_id.replace('/', '--')}"
+    from the cached tree listing (else what the snapshot holds; for the API, a GGUF's header
+    too)."""
     revision = spec.revision or "main"
-    commit = revision if _COMMIT_RE.match(revision) else _read(storage / "refs" / revision)
-    snapshot = storage / "snapshots" / commit if commit else None
-    if snapshot is None or not snapshot.is_dir():
+    commit = revision if _COMMIT_RE.match(revision) else (
+        _read(_storage(spec) / "refs" / revision)
+        or (_read(_headers(spec) / "refs" / revision) if need == "tokenizer" else None))
+    snapshot = _snapshot(spec, commit) if commit else None
+    headers = list(_present(_headers(spec) / commit)) if commit and need == "tokenizer" else []
+    if snapshot is None or commit is None or not (snapshot.is_dir() or headers):
         what = spec.repo_id if spec.revision is None else f"{spec.repo_id}@{spec.revision}"
         raise HubSpecError(f"model {spec.text!r}: {what} is not in the cache {cache_dir()} and "
                            f"{why}")
-    files = _cached_tree(spec, commit) or dict.fromkeys(_present(snapshot), 0)
+    files = (_cached_tree(spec, commit) or dict.fromkeys(_present(snapshot), 0)) | dict.fromkeys(
+        headers, 0)
     selection = choose_files(spec, files, need)
+    if need == "tokenizer" and selection.gguf is not None:
+        found = _header_or_file(spec, commit, snapshot, selection)
+        if found is not None:
+            return found
     wanted = list(selection.files)
     if INDEX_FILE in wanted and (snapshot / INDEX_FILE).is_file():
         wanted += _shards(snapshot / INDEX_FILE, spec, files)
@@ -226,14 +301,24 @@ def _cached_tree(spec: HubSpec, commit: str) -> dict[str, int] | None:
     return {f.path: int(f.size or 0) for f in tree}
 
 
-def _present(snapshot: Path) -> Iterator[str]:
-    for path in sorted(snapshot.rglob("*")):
-        if path.is_file():
-            yield path.relative_to(snapshot).as_posix()
+def _present(folder: Path) -> Iterator[str]:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and not path.name.endswith(".incomplete"):
+            yield path.relative_to(folder).as_posix()
+
+
+def _storage(spec: HubSpec) -> Path:
+    return cache_dir() / f"models--{spec.repo_id.replace('/', '--')}"
 
 
 def _snapshot(spec: HubSpec, commit: str) -> Path:
-    return cache_dir() / f"models--{spec.repo_id.replace('/', '--')}" / "snapshots" / commit
+    return _storage(spec) / "snapshots" / commit
+
+
+def _headers(spec: HubSpec) -> Path:
+    """Where the API's GGUF headers lie (``<commit>/<file>``, ``refs/<revision>``): beside the
+    Hub's cache, not in it, since huggingface_hub's cache scan reads every folder there."""
+    return cache_dir().parent / HEADERS_DIR / f"models--{spec.repo_id.replace('/', '--')}"
 
 
 def _read(path: Path) -> str | None:

@@ -118,8 +118,8 @@ def resolve_model(spec: str = DEFAULT_MODEL, need: Need = "weights") -> ModelSou
     """Find the model a spec names and check that the files it needs are there.
 
     A Hub id is fetched into the Hub's cache unless it is there: everything with ``need``
-    "weights" (a worker), only the tokenizer and config with "tokenizer" (the API; a GGUF's
-    tokenizer lies in its one file). Raises ``ModelLoadError`` naming the spec or path and what
+    "weights" (a worker), only the tokenizer and config with "tokenizer" (the API; of a GGUF,
+    its header alone, so ``path`` may be a header that holds no tensors). Raises ``ModelLoadError`` naming the spec or path and what
     is missing.
     """
     spec = spec.strip()

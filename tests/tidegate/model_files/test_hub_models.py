@@ -29,8 +29,10 @@ from tests.stack_process import TIDEGATE, stop, wait_until
 from tests.worker.hf_oracle import causal_greedy, hf_greedy
 from tests.worker.models.family_checkpoints import family_model
 from tests.worker.tiny_checkpoints import tiny_hf_model, write_gguf, write_hf_dir
+from tidegate.model_files import hub_cache
 from tidegate.model_files.hub_spec import choose_files, parse_hub_spec
-from tidegate.model_files.tokenizer import byte_level_tokenizer
+from tidegate.model_files.model_source import context_length, resolve_model
+from tidegate.model_files.tokenizer import byte_level_tokenizer, load_tokenizer
 from tidegate.worker.models.loaders.loader import load_model
 
 pytestmark = pytest.mark.slow  # tidegate processes, a stack
@@ -198,6 +200,31 @@ def test_the_api_s_share_is_the_tokenizer_and_config(hub: Hub, hf_env: dict[str,
     listed = tidegate("models", "--json")
     [row] = [json.loads(line) for line in listed.stdout.splitlines()]
     assert (row["name"], row["format"]) == ("org/tiny-qwen2", "tokenizer only")
+
+
+def test_the_api_reads_a_gguf_s_tokenizer_from_its_header_alone(
+        hub: Hub, hf_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hub_cache, "HEADER_START_BYTES", 1024)  # a few growing ranges
+    spec, file = "org/tiny-llama-GGUF:Q8_0", GGUF_FILES[1]
+    size = (hub.gguf_dir / file).stat().st_size
+    api = resolve_model(spec, "tokenizer")
+    served = hub.emulator.served[:]
+    assert [s.start for s in served] == [0, 1024, 4096, 16384][:len(served)]
+    assert len(served) > 1 and sum(s.sent for s in served) < size  # never the whole file
+    assert api.path is not None and api.path.name == file and api.path.stat().st_size < size
+    full = resolve_model(str(hub.gguf_dir / file))
+    text = "Hello, wörld <|im_start|>"
+    assert load_tokenizer(api).encode(text) == load_tokenizer(full).encode(text)
+    assert context_length(api) == context_length(full)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the next start: from the header kept
+    assert resolve_model(spec, "tokenizer").path == api.path
+    assert resolve_model("org/tiny-llama-GGUF/" + file, "tokenizer").path == api.path
+    assert len(hub.emulator.served) == len(served)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    worker = resolve_model(spec)  # a worker's need: the whole file, in the Hub's cache
+    assert worker.path is not None and worker.path.stat().st_size == size
+    assert worker.path.parent.parent.name == "snapshots"
+    assert resolve_model(spec, "tokenizer").path == worker.path  # now the file itself
 
 
 def test_two_pulls_at_once_fetch_each_file_once(hub: Hub, hf_env: dict[str, str]) -> None:
