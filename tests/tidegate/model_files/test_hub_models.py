@@ -119,6 +119,7 @@ def test_a_model_pulled_by_id_generates_what_transformers_does(
         hub: Hub, hf_env: dict[str, str], repo: str) -> None:
     out = tidegate("pull", repo)
     assert out.returncode == 0, out.stderr
+    assert "100%|" in out.stderr  # huggingface_hub's progress bar
     snapshot = Path(out.stdout.strip().split(": ", 1)[1])
     assert snapshot.parent.parent.name == f"models--{repo.replace('/', '--')}"
     model = hub.llama if repo == "org/tiny-llama" else hub.qwen2
@@ -156,7 +157,7 @@ def test_a_revision_is_served_by_branch_tag_or_commit(hub: Hub, hf_env: dict[str
 
 
 def test_a_second_start_downloads_nothing_and_offline_mode_serves_the_cache(
-        hub: Hub, hf_env: dict[str, str]) -> None:
+        hub: Hub, hf_env: dict[str, str], tmp_path: Path) -> None:
     first = tidegate("pull", "org/tiny-llama")
     assert first.returncode == 0, first.stderr
     served = len(hub.emulator.served)
@@ -170,6 +171,9 @@ def test_a_second_start_downloads_nothing_and_offline_mode_serves_the_cache(
     out = tidegate("eval-ppl", "org/tiny-llama", "--text", str(Path(__file__)), "--context",
                    "64", "--json", HF_HUB_OFFLINE="1", HF_ENDPOINT=dead)
     assert out.returncode == 0 and json.loads(out.stdout)["model"] == "tiny-llama", out.stderr
+    written = tidegate("quantize", "org/tiny-llama", str(tmp_path / "int8"), "--method",
+                       "rtn-int8", "--json", HF_HUB_OFFLINE="1", HF_ENDPOINT=dead)
+    assert written.returncode == 0 and json.loads(written.stdout)["linears"] == 14, written.stderr
     # Unreachable but not offline: the cache too, after the failed look-up.
     unreachable = tidegate("pull", "org/tiny-llama", HF_ENDPOINT=dead)
     assert unreachable.returncode == 0 and unreachable.stdout == first.stdout
