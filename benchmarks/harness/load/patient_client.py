@@ -24,9 +24,15 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from tidegate.benchmarks.harness.load.stream_check import StreamCheck
 
 RETRY_S = 0.3  # between attempts while a service is away
-# A stream quiet this long is looked into: if the job has ended meanwhile, the stream stalled
-# (a breach: the client would wait for ever); the client then resumes on a new connection.
+# A stream quiet this long is looked into: if the job ended meanwhile, long enough ago that its
+# last events must have arrived, the stream stalled (a breach: the client would wait for ever)
+# and the client resumes on a new connection.
 QUIET_S = 10.0
+# How long after its end a job's final event must have reached a live follower. A job that
+# ended just before a quiet stretch ran out (a short job, after a long wait in the queue) may
+# still have its events on their way through a loaded gateway: a clean run of the chaos test
+# counted such a job as stalled, whose events came a moment later on the same connection.
+STALL_AFTER_END_S = 5.0
 FINAL_STATUSES = frozenset({"done", "error", "rejected"})
 # Close codes that end a follow for good (a malformed request, refused credentials, no job).
 REFUSED_CLOSES = frozenset({4400, 4401, 4403, 4404})
@@ -93,13 +99,21 @@ class PatientClient:
                 raise GaveUp(f"GET answered {r.status_code}: {r.text[:200]}")
             await self._wait(deadline, "result")
 
-    async def ended(self, job_id: str) -> bool:
-        """Whether the API says the job is final (False if it cannot tell now)."""
+    async def stalled_since_end(self, job_id: str) -> bool:
+        """Whether the API says the job ended at least ``STALL_AFTER_END_S`` ago (False if it
+        cannot tell now). A job without timings (rejected) counts from when it was asked."""
         try:
             r = await self.http.get(f"/v1/jobs/{job_id}")
         except httpx.TransportError:
             return False
-        return r.status_code == 200 and r.json()["status"] in FINAL_STATUSES
+        if r.status_code != 200 or r.json()["status"] not in FINAL_STATUSES:
+            return False
+        got = r.json()
+        timings, created = got.get("timings"), got.get("created_ms")
+        if not timings or created is None:
+            return True
+        ended_s = (created + timings["total_ms"]) / 1000  # the server's clock: wall time
+        return time.time() - ended_s >= STALL_AFTER_END_S
 
     async def follow_ws(self, job: Accepted, check: StreamCheck) -> int:
         """Follow over the WebSocket until the final event; returns the reconnects it took."""
@@ -114,10 +128,10 @@ class PatientClient:
                             async with asyncio.timeout(QUIET_S):
                                 raw = await ws.recv()
                         except TimeoutError:
-                            if await self.ended(job.job_id):
+                            if await self.stalled_since_end(job.job_id):
                                 check.stalled(QUIET_S, time.monotonic())
                                 break
-                            continue
+                            continue  # queued, running, or just ended: keep listening
                         check.on_raw(raw)
             except ConnectionClosed as exc:
                 code = exc.rcvd.code if exc.rcvd is not None else 1006
@@ -151,7 +165,7 @@ class PatientClient:
                             check.on_raw(data)
                             quiet.reschedule(asyncio.get_running_loop().time() + QUIET_S)
             except TimeoutError:  # resumed on a new connection
-                if await self.ended(job.job_id):
+                if await self.stalled_since_end(job.job_id):
                     check.stalled(QUIET_S, time.monotonic())
             except (httpx.TransportError, OSError):
                 pass
