@@ -5,15 +5,20 @@
 own directory, and with what a chaos run does to it: kill a worker and start another in its
 place, kill Redis and start it again on the same port from the same AOF, kill the gateway and
 start it again on the same port. Killed processes leave ``procs``; one that leaves it any other
-way (it exited by itself) is reported by ``unexpected_exits``.
+way (it exited by itself) is reported by ``unexpected_exits``; ``holding`` says which workers
+hold a job right now, so that a kill can be aimed at one.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
+import redis
+
+from tidegate import keys
 from tidegate.benchmarks.harness.run.processes import free_port, http_ready, log_tail
 from tidegate.benchmarks.harness.run.redis_server import redis_answers, redis_argv
 from tidegate.benchmarks.harness.run.stack import (
@@ -24,6 +29,9 @@ from tidegate.benchmarks.harness.run.stack import (
     base_env,
     worker_env,
 )
+
+# A worker's consumer name: host-pid-hex6 (tidegate.worker.service.service.new_worker_id).
+_CONSUMER_PID = re.compile(r"-(\d+)-[0-9a-f]{6}(?:-|$)")
 
 
 class ChaosStack(Stack):
@@ -109,6 +117,30 @@ class ChaosStack(Stack):
                                  + log_tail(self.log_path(waiting[0])))
             if waiting:
                 time.sleep(0.1)
+
+    def holding(self) -> set[str]:
+        """The workers holding a job now: read from a lane or a routed stream by the workers'
+        group and not yet acknowledged (empty when Redis cannot say)."""
+        pids: set[int] = set()
+        client = redis.Redis.from_url(self.redis_url, decode_responses=True,
+                                      socket_timeout=2)
+        try:
+            for pattern in (f"{keys.PREFIX}:lane:*", f"{keys.PREFIX}:routed:*"):
+                for stream in client.scan_iter(match=pattern, _type="STREAM"):
+                    try:
+                        summary = client.xpending(stream, keys.CONSUMER_GROUP)
+                    except redis.ResponseError:  # no group yet
+                        continue
+                    for consumer in summary.get("consumers") or []:
+                        found = _CONSUMER_PID.search(consumer["name"])
+                        if found and int(consumer["pending"]) > 0:
+                            pids.add(int(found.group(1)))
+        except redis.RedisError:  # Redis is down (a restart): nobody can be told apart
+            return set()
+        finally:
+            client.close()
+        return {name for name, proc in self.procs.items()
+                if name.startswith("worker") and proc.pid in pids}
 
     def unexpected_exits(self) -> list[str]:
         """Names of processes that exited by themselves since the last call (taken out)."""
