@@ -307,8 +307,13 @@ def _present(folder: Path) -> Iterator[str]:
             yield path.relative_to(folder).as_posix()
 
 
+def _folder(spec: HubSpec) -> str:
+    """The repository's folder name, as huggingface_hub names it in its cache."""
+    return f"models--{spec.repo_id.replace('/', '--')}"
+
+
 def _storage(spec: HubSpec) -> Path:
-    return cache_dir() / f"models--{spec.repo_id.replace('/', '--')}"
+    return cache_dir() / _folder(spec)
 
 
 def _snapshot(spec: HubSpec, commit: str) -> Path:
@@ -318,7 +323,7 @@ def _snapshot(spec: HubSpec, commit: str) -> Path:
 def _headers(spec: HubSpec) -> Path:
     """Where the API's GGUF headers lie (``<commit>/<file>``, ``refs/<revision>``): beside the
     Hub's cache, not in it, since huggingface_hub's cache scan reads every folder there."""
-    return cache_dir().parent / HEADERS_DIR / f"models--{spec.repo_id.replace('/', '--')}"
+    return cache_dir().parent / HEADERS_DIR / _folder(spec)
 
 
 def _read(path: Path) -> str | None:
