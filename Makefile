@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tidegate-installed
 
-.PHONY: up test setup redis-server browser compose-tools lint clean
+.PHONY: up test setup redis-server browser compose-tools lint docs docs-build clean
 
 up: setup
 	$(BIN)/tidegate up
@@ -47,5 +47,14 @@ compose-tools:
 lint: setup
 	$(BIN)/ruff check .
 
+# The docs site on http://127.0.0.1:8001 (reloads on edits); docs-build writes site/ and fails on
+# a broken link, a page missing from the nav or a reference entry without its description.
+DOCS_ADDR ?= 127.0.0.1:8001
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr $(DOCS_ADDR)
+
+docs-build: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

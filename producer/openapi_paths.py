@@ -19,7 +19,8 @@ from tidegate.producer.adapter_routes import AdapterBody
 from tidegate.producer.openai_compat.schema import ChatCompletionRequest, CompletionRequest
 from tidegate.protocol import JobRequest, JobResult
 
-JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
+JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"},
+          "description": "the job's id, from its submit answer"}
 ACCEPTED = {
     "type": "object", "required": ["id", "stream_url", "status", "stream_token"],
     "properties": {"id": {"type": "string"}, "status": {"type": "string"},
@@ -88,7 +89,9 @@ def _job_routes(docs: OpenAPIDocs) -> None:
     docs.add("/v1/jobs", "post", {
         "summary": "Submit a job", "operationId": "submitJob", "security": KEY_ONLY,
         "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,
-                        "schema": {"type": "string", "pattern": r"^[\x21-\x7e]{1,255}$"}}],
+                        "schema": {"type": "string", "pattern": r"^[\x21-\x7e]{1,255}$"},
+                        "description": "a repeated submit with the same key returns the same "
+                                       "job (or the body's idempotency_key)"}],
         "requestBody": {"required": True,
                         "content": {"application/json": {"schema": docs.model(JobRequest)}}},
         "responses": {"202": {**json_response("Queued", ACCEPTED), "headers": RATE_HEADERS},
@@ -115,7 +118,8 @@ def _openai_routes(docs: OpenAPIDocs) -> None:
                                ("/v1/chat/completions", ChatCompletionRequest,
                                 "createChatCompletion")):
         docs.add(path, "post", {
-            "summary": f"OpenAI-compatible {path.rsplit('/', 1)[1]}", "operationId": op_id,
+            "summary": f"OpenAI-compatible {path.removeprefix('/v1/').replace('/', ' ')}",
+            "operationId": op_id,
             "security": KEY_ONLY,
             "requestBody": {"required": True,
                             "content": {"application/json": {"schema": docs.model(model)}}},
@@ -132,7 +136,8 @@ def _openai_routes(docs: OpenAPIDocs) -> None:
         "operationId": "getModel",
         "security": KEY_ONLY,
         "parameters": [{"name": "model", "in": "path", "required": True,
-                        "schema": {"type": "string"}}],
+                        "schema": {"type": "string"},
+                        "description": "a served model's name or alias, or base:ADAPTER"}],
         "responses": {"200": json_response("The model", MODEL_CARD),
                       **error_responses(401, 404, 503, schema=OPENAI_ERROR)}})
 

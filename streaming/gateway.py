@@ -42,6 +42,7 @@ from tidegate.events.ws_relay import (
 )
 from tidegate.http.auth import Auth, AuthError, job_access
 from tidegate.http.openapi import openapi_route
+from tidegate.operations.metric_doc import MetricDoc
 from tidegate.operations.operator_routes import metrics_response, readiness_response
 from tidegate.operations.queue_stats import queue_stats
 from tidegate.redis_conn import connect
@@ -50,6 +51,13 @@ from tidegate.streaming.openapi_paths import gateway_docs
 
 STATIC = Path(__file__).with_name("static")
 SSE_KEEPALIVE_S = 15.0
+WATCHERS = MetricDoc("tidegate_gateway_watchers", "gauge",
+                     "Clients watching a job on this process.")
+WATCHED_JOBS = MetricDoc("tidegate_gateway_watched_jobs", "gauge",
+                         "Jobs this process is subscribed to.")
+DIRECT_SENDS = MetricDoc("tidegate_gateway_direct_sends", "gauge",
+                         "Events written straight to idle watchers' sockets since start.")
+GATEWAY_METRICS = (WATCHERS, WATCHED_JOBS, DIRECT_SENDS)
 BAD_RESUME_POINT = f"last_event_id (or Last-Event-ID) must be an integer from 0 to {MAX_RESUME_ID}"
 
 
@@ -110,13 +118,8 @@ class Gateway:
         """Prometheus: the queue, plus this process's watchers (no key, no job names)."""
         hub = self.hub
         return await metrics_response(self._connected(), self.settings.lane_partitions, {
-            "tidegate_gateway_watchers": ("Clients watching a job on this process.",
-                                          hub.watchers),
-            "tidegate_gateway_watched_jobs": ("Jobs this process is subscribed to.",
-                                              hub.watched_jobs),
-            "tidegate_gateway_direct_sends": ("Events written straight to idle watchers' "
-                                              "sockets since start.", hub.direct_sends),
-        }, collectors=self.collectors)
+            WATCHERS: hub.watchers, WATCHED_JOBS: hub.watched_jobs,
+            DIRECT_SENDS: hub.direct_sends}, collectors=self.collectors)
 
     async def page(self, request: Request) -> Response:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})

@@ -13,7 +13,8 @@ from tidegate.http.openapi import (
     operator_operations,
 )
 
-JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
+JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"},
+          "description": "the job's id, from its submit answer"}
 LAST_EVENT_ID = {"name": "last_event_id", "in": "query", "required": False,
                  "description": "resume after this event id (0: from the start)",
                  "schema": {"type": "integer", "minimum": 0, "maximum": MAX_RESUME_ID}}
@@ -57,6 +58,7 @@ def gateway_docs() -> OpenAPIDocs:
     docs.add("/static/{path}", "get", {
         "summary": "The web page's scripts and styles", "operationId": "static", "security": [],
         "parameters": [{"name": "path", "in": "path", "required": True,
-                        "schema": {"type": "string"}}],
+                        "schema": {"type": "string"},
+                        "description": "the file, under the page's static folder"}],
         "responses": {"200": {"description": "The file"}, "404": {"description": "No such file"}}})
     return docs

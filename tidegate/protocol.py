@@ -84,7 +84,7 @@ def _arguments_object(arguments: str) -> Any:
 
 
 class FunctionCall(_Strict):
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(min_length=1, max_length=64, description="the function called")
     arguments: str = Field(max_length=MAX_PROMPT_CHARS,
                            description="the arguments as a JSON object, in a string (OpenAI)")
 
@@ -92,9 +92,10 @@ class FunctionCall(_Strict):
 class ToolCall(_Strict):
     """A call the assistant made: in an assistant message, in a result, in a stream."""
 
-    id: str = Field(min_length=1, max_length=64)
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    id: str = Field(min_length=1, max_length=64, description="the call's id, which a tool "
+                                                              "message's answer names")
+    type: Literal["function"] = Field(default="function", description="always function")
+    function: FunctionCall = Field(description="the function and its arguments")
 
 
 class FunctionSpec(_Strict):
@@ -163,9 +164,13 @@ class SamplingParams(_Strict):
     penalties too.
     """
 
-    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS_LIMIT)
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS_LIMIT,
+                            description="the most tokens to generate; prompt + max_tokens must "
+                                        "fit the model's context")
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0, description="0 is greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0,
+                         description="keep the most likely tokens whose probabilities add up "
+                                     "to top_p; 1 disables")
     top_k: int = Field(default=0, ge=0, description="0 disables top-k")
     min_p: float = Field(
         default=0.0, ge=0.0, le=1.0,
@@ -188,8 +193,12 @@ class SamplingParams(_Strict):
         default=None, ge=0, le=MAX_LOGPROBS,
         description="return the chosen token's logprob and this many most likely alternatives",
     )
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: list[Text] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    seed: int | None = Field(default=None, ge=0, lt=2**63,
+                             description="the sampler's seed (absent: a random one); the same "
+                                         "seed gives the same tokens whatever else is batched")
+    stop: list[Text] = Field(default_factory=list, max_length=MAX_STOP_STRINGS,
+                             description="a string or a list: the text stops before the first "
+                                         "stop string generated (finish_reason 'stop')")
     stop_token_ids: list[Annotated[int, Field(ge=0, strict=True)]] = Field(
         default_factory=list, max_length=MAX_STOP_TOKEN_IDS,
         description="generating any of these ends the job (finish_reason 'stop')",
@@ -243,8 +252,13 @@ class SamplingParams(_Strict):
 
 
 class _PromptFields(_Strict):
-    prompt: Text | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
-    messages: list[ChatMessage] | None = Field(default=None, max_length=1024)
+    prompt: Text | None = Field(default=None, max_length=MAX_PROMPT_CHARS,
+                                description="a plain prompt, no chat template (exactly one of "
+                                            "prompt or messages)")
+    messages: list[ChatMessage] | None = Field(
+        default=None, max_length=1024,
+        description="a chat, rendered with the model's chat template (exactly one of prompt "
+                    "or messages)")
     tools: list[Tool] | None = Field(
         default=None, max_length=MAX_TOOLS,
         description="functions the model may call (rendered by its chat template)")
@@ -303,9 +317,14 @@ class JobRequest(_PromptFields, SamplingParams):
     lora: str | None = Field(default=None, pattern=NAME_PATTERN,
                              description="a LoRA adapter of the model (registered on it)")
 
-    deadline_ms: int | None = Field(default=None, gt=0)
-    timeout_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
-    lane: Lane = "interactive"
+    deadline_ms: int | None = Field(default=None, gt=0,
+                                    description="the deadline, unix ms (at most one of "
+                                                "deadline_ms or timeout_s)")
+    timeout_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600,
+                                    description="the deadline, seconds from now (neither: "
+                                                "TIDEGATE_DEFAULT_TIMEOUT_S)")
+    lane: Lane = Field(default="interactive",
+                       description="interactive (chat, served first) or batch")
     priority: int = Field(default=0, ge=-100, le=100, description="higher runs first in a lane")
     idempotency_key: str | None = Field(
         default=None, min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$",
@@ -369,24 +388,29 @@ class Job(_PromptFields):
 
 
 class _Event(_Strict):
-    id: int = Field(ge=1, description="per-job, monotonically increasing")
-    job_id: str
+    id: int = Field(ge=1, description="per-job, monotonically increasing; a client resumes "
+                                      "after the last id it saw")
+    job_id: str = Field(description="the job's id")
 
 
 class QueuedEvent(_Event):
+    """The job was accepted and waits in its lane for a worker: always the first event."""
+
     type: Literal["queued"] = "queued"
-    lane: Lane
+    lane: Lane = Field(description="the lane it waits in: interactive or batch")
 
 
 class StartedEvent(_Event):
+    """A worker took the job and started running it (after a restarted event, again)."""
+
     type: Literal["started"] = "started"
-    worker: str
-    prompt_tokens: int
+    worker: str = Field(description="the id of the worker running it")
+    prompt_tokens: int = Field(description="tokens of the prompt, after the chat template")
 
 
 class TopLogprob(_Strict):
-    token_id: int
-    logprob: float
+    token_id: int = Field(description="the token's id in the model's vocabulary")
+    logprob: float = Field(description="its log-probability at this step")
 
 
 class TokenEvent(_Event):
@@ -398,7 +422,7 @@ class TokenEvent(_Event):
     choice: int | None = Field(default=None, ge=1,
                                description="jobs with n > 1: the choice (absent: the first)")
     text: str = Field(description="text these tokens complete; may be empty mid-character")
-    token_ids: list[int] = Field(min_length=1)
+    token_ids: list[int] = Field(min_length=1, description="the tokens, in order")
     logprob: float | None = Field(
         default=None, description="the chosen token's logprob, when the job asked for logprobs"
     )
@@ -408,26 +432,28 @@ class TokenEvent(_Event):
 
 
 class Usage(_Strict):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
+    prompt_tokens: int = Field(description="tokens of the prompt")
+    completion_tokens: int = Field(description="tokens generated, all choices together")
+    total_tokens: int = Field(description="prompt_tokens + completion_tokens")
 
 
 class Timings(_Strict):
     queue_ms: float = Field(description="created -> started")
     ttft_ms: float = Field(description="created -> first token")
     total_ms: float = Field(description="created -> done")
-    decode_tokens_per_s: float
+    decode_tokens_per_s: float = Field(description="tokens generated per second after the "
+                                                   "first")
 
 
 class Choice(_Strict):
     """One choice of a job with n > 1."""
 
-    index: int = Field(ge=0)
-    text: str
-    finish_reason: FinishReason
-    completion_tokens: int = Field(ge=0)
-    tool_calls: list[ToolCall] | None = None
+    index: int = Field(ge=0, description="the choice's number, from 0")
+    text: str = Field(description="the choice's whole text")
+    finish_reason: FinishReason = Field(description="why the choice ended")
+    completion_tokens: int = Field(ge=0, description="tokens the choice generated")
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, description="the calls read from its text (jobs with tools)")
 
 
 class DoneEvent(_Event):
@@ -435,25 +461,34 @@ class DoneEvent(_Event):
     ``choices`` holds every one; ``usage`` counts the tokens of all."""
 
     type: Literal["done"] = "done"
-    finish_reason: FinishReason
-    text: str
+    finish_reason: FinishReason = Field(
+        description="stop (end of sequence or a stop string), length (max_tokens), cancelled, "
+                    "deadline (the deadline passed while it ran), error")
+    text: str = Field(description="the whole generated text")
     tool_calls: list[ToolCall] | None = Field(
         default=None, description="the calls read from the text (jobs with tools)")
-    choices: list[Choice] | None = None
-    usage: Usage
-    timings: Timings
+    choices: list[Choice] | None = Field(default=None, description="jobs with n > 1: every "
+                                                                   "choice")
+    usage: Usage = Field(description="tokens counted")
+    timings: Timings = Field(description="where the job's time went")
 
 
 class ErrorEvent(_Event):
+    """The job failed and will not run again: a final event."""
+
     type: Literal["error"] = "error"
-    code: str
-    message: str
+    code: str = Field(description="why, one word: invalid_request, invalid_job, "
+                                  "deadline_exceeded, dead_lettered, ...")
+    message: str = Field(description="the reason in words")
 
 
 class RejectedEvent(_Event):
+    """The job was refused before it ran (its deadline cannot be met, or no worker serves its
+    model): a final event; resubmitting later may succeed."""
+
     type: Literal["rejected"] = "rejected"
-    reason: str
-    message: str = ""
+    reason: str = Field(description="why, one word: cannot_meet_deadline, no_worker, ...")
+    message: str = Field(default="", description="the reason in words")
 
 
 class RestartedEvent(_Event):
@@ -469,7 +504,7 @@ class MigratedEvent(_Event):
     sent stay, and token events go on from ``index`` = ``kept_tokens``."""
 
     type: Literal["migrated"] = "migrated"
-    worker: str
+    worker: str = Field(description="the id of the worker continuing it")
     attempt: int = Field(ge=2, description="delivery number of this run")
     kept_tokens: int = Field(ge=0, description="generated tokens carried over")
 
@@ -513,17 +548,21 @@ JobStatus = Literal["queued", "running", "done", "error", "rejected"]
 class JobResult(_Strict):
     """What ``GET /v1/jobs/{id}`` returns and what ``Handle.result()`` gives."""
 
-    id: str
-    status: JobStatus
-    lane: Lane | None = None
-    model: str | None = None  # the served model's name
-    adapter: str | None = None
-    created_ms: int | None = None
-    deadline_ms: int | None = None
-    text: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    choices: list[Choice] | None = None
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    timings: Timings | None = None
-    error: dict[str, str] | None = None
+    id: str = Field(description="the job's id")
+    status: JobStatus = Field(description="queued, running, done, error or rejected")
+    lane: Lane | None = Field(default=None, description="the lane it was queued in")
+    model: str | None = Field(default=None, description="the served model's name")
+    adapter: str | None = Field(default=None, description="the LoRA adapter it ran, if any")
+    created_ms: int | None = Field(default=None, description="when it was submitted, unix ms")
+    deadline_ms: int | None = Field(default=None, description="its deadline, unix ms")
+    text: str | None = Field(default=None, description="done: the generated text")
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, description="done: the calls read from the text (jobs with tools)")
+    choices: list[Choice] | None = Field(default=None,
+                                         description="done, jobs with n > 1: every choice")
+    finish_reason: FinishReason | None = Field(default=None, description="done: why it ended")
+    usage: Usage | None = Field(default=None, description="done: tokens counted")
+    timings: Timings | None = Field(default=None, description="done: where its time went")
+    error: dict[str, str] | None = Field(
+        default=None, description="error or rejected: {code, message} (a rejection's code is "
+                                  "its reason)")

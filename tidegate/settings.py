@@ -17,18 +17,28 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TIDEGATE_", extra="ignore")
 
     # REDIS_URL (unprefixed, the common convention) also works; see `load_settings`.
-    redis_url: str = DEFAULT_REDIS_URL
+    redis_url: str = Field(
+        default=DEFAULT_REDIS_URL,
+        description="the Redis server (redis://, rediss://) or cluster (redis+cluster://host:port"
+                    "[,host:port...]); REDIS_URL is read too when TIDEGATE_REDIS_URL is unset")
     model: str = Field(default="smollm2", description="smollm2 | HF dir | .gguf | Hub id | random:<preset>")
     # Several served models (``tidegate.model_files.served_model``): "spec" or "name=spec" each
     # (TIDEGATE_MODELS: a comma list or a JSON list; the CLI: --model repeated), or a TOML/JSON
     # file of models with their own engine options and adapters. The first is the default.
-    models: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    models_file: str | None = None
-    # LoRA adapters of the first model, "NAME=PATH" each (a PEFT directory on the worker).
-    loras: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    # Adapters resident on the device at once (0: LoRA off) and the largest rank served.
-    max_loras: int = Field(default=4, ge=0)
-    max_lora_rank: int = Field(default=16, ge=1, le=64)
+    models: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="several served models, \"spec\" or \"name=spec\" each (a comma list or a "
+                    "JSON list); the first is the default; empty: model alone")
+    models_file: str | None = Field(
+        default=None, description="a TOML or JSON file of models to serve, each with its own "
+                                  "engine options and adapters")
+    loras: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="LoRA adapters of the first model, NAME=PATH each (a PEFT directory on the "
+                    "worker)")
+    max_loras: int = Field(default=4, ge=0,
+                           description="LoRA adapters resident on the device at once (0: LoRA off)")
+    max_lora_rank: int = Field(default=16, ge=1, le=64, description="the largest adapter rank served")
     device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="cpu | cuda[:N]")
     dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16|float16)$",
                        description="auto: float32 on CPU, bfloat16 on CUDA")
@@ -46,104 +56,158 @@ class Settings(BaseSettings):
                                              "model's outputs exactly), auto: int8")
     # A worker of several processes on one host (``tidegate.worker.parallel``): each stage's layers
     # split over tensor_parallel_size devices, the layers over pipeline_parallel_size stages.
-    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
-    pipeline_parallel_size: int = Field(default=1, ge=1, le=64)
-    # Speculative decoding (tidegate.worker.speculative): "ngram" drafts from the request's own tokens
-    # (prompt lookup), "draft:<model>" from a smaller model sharing the tokenizer, verified in
-    # the batch; "none": off. speculative_max_batch: speculate at batch sizes up to it; None:
-    # wherever it measures faster than plain decoding.
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=64,
+        description="devices each pipeline stage's layers are split over (one process each)")
+    pipeline_parallel_size: int = Field(
+        default=1, ge=1, le=64, description="pipeline stages the model's layers are split into")
+    # Speculative decoding (tidegate.worker.speculative): verified in the batch.
     speculative: str = Field(default="none", pattern="^(none|ngram|draft:.+)$",
                              description="none | ngram (prompt-lookup drafts) | draft:<model> "
                                          "(a draft model: a spec as --model takes)")
-    num_speculative_tokens: int = Field(default=4, ge=1, le=16)
-    speculative_max_batch: int | None = Field(default=None, ge=1)
-    max_num_seqs: int = Field(default=32, ge=1)
-    max_num_batched_tokens: int = Field(default=512, ge=1)
-    block_size: int = Field(default=16, ge=1, le=256)
+    num_speculative_tokens: int = Field(default=4, ge=1, le=16,
+                                        description="tokens drafted per step and request")
+    speculative_max_batch: int | None = Field(
+        default=None, ge=1,
+        description="speculate at batch sizes up to this; unset: wherever it measures faster "
+                    "than plain decoding")
+    max_num_seqs: int = Field(default=32, ge=1, description="requests batched at once")
+    max_num_batched_tokens: int = Field(
+        default=512, ge=1, description="tokens one engine step computes at most (prompt chunks "
+                                       "and decodes together)")
+    block_size: int = Field(default=16, ge=1, le=256,
+                            description="tokens per KV-cache block (paging and prefix-cache unit)")
     kv_cache_gb: float | None = Field(default=None, gt=0,
-                                      description="None: 2 GiB on CPU, a fraction on CUDA")
-    kv_cache_memory_fraction: float = Field(default=0.9, gt=0, le=1)
+                                      description="KV-cache size in GiB; unset: 2 GiB on CPU, "
+                                                  "kv_cache_memory_fraction on CUDA")
+    kv_cache_memory_fraction: float = Field(
+        default=0.9, gt=0, le=1,
+        description="CUDA, with kv_cache_gb unset: the share of the device memory free after "
+                    "the weights load that the KV cache takes")
     kv_cache_dtype: str = Field(default="auto", pattern="^(auto|fp8|int8)$",
                                 description="auto: the model's dtype; fp8: e4m3 (CUDA), twice "
                                             "the tokens in the same memory; int8: 8-bit heads "
                                             "with a scale each (CPU), 3.8x float32's tokens")
-    prefix_caching: bool = True
-    # CUDA: replay decode steps from CUDA graphs captured at start-up (False: eager steps).
-    cuda_graphs: bool = True
-    # The worker's /metrics, /healthz and /readyz (on ``host``); 0 turns them off.
-    metrics_port: int = Field(default=9400, ge=0, le=65535)
-    load_shedding: bool = True
-    # Finish-time estimates are multiplied by this before comparing them with deadlines.
-    shedding_safety: float = Field(default=1.25, ge=1.0, le=10.0)
-    # CPU threads for torch (None: torch's default, one per core). Set it below the core count
-    # when other busy processes share the machine: spinning threads that lose their core stall
-    # every parallel op.
-    torch_threads: int | None = Field(default=None, ge=1)
-    # A job pending this long without its worker refreshing it is reclaimed by another worker.
-    visibility_timeout_s: float = Field(default=30.0, gt=0)
+    prefix_caching: bool = Field(default=True,
+                                 description="reuse the KV blocks of prompt prefixes seen before")
+    cuda_graphs: bool = Field(default=True,
+                              description="CUDA: replay decode steps from CUDA graphs captured at "
+                                          "start-up (false: eager steps)")
+    metrics_port: int = Field(default=9400, ge=0, le=65535,
+                              description="the worker's /metrics, /healthz and /readyz port (on "
+                                          "host); 0 turns them off")
+    load_shedding: bool = Field(default=True,
+                                description="reject jobs the worker can no longer finish before "
+                                            "their deadline (a rejected event) instead of running "
+                                            "them late")
+    shedding_safety: float = Field(default=1.25, ge=1.0, le=10.0,
+                                   description="finish-time estimates are multiplied by this "
+                                               "before they are compared with deadlines")
+    # Set it below the core count when other busy processes share the machine: spinning threads
+    # that lose their core stall every parallel op.
+    torch_threads: int | None = Field(
+        default=None, ge=1, description="CPU threads for torch; unset: torch's default, one per "
+                                        "core")
+    visibility_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="a job pending this long without its worker refreshing it is reclaimed by "
+                    "another worker")
     max_deliveries: int = Field(
         default=3, ge=1,
         description="deliveries in a row that end before a token, then the dead-letter stream")
     drain_timeout_s: float = Field(default=30.0, ge=0, description="SIGTERM grace period")
-    default_timeout_s: float = Field(default=300.0, gt=0)
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, lt=65536)
-    # Base URL clients stream from (ws:// or wss://); None: the API's own address, ws scheme.
-    gateway_url: str | None = None
-    lane_partitions: int = Field(default=1, ge=1)
+    default_timeout_s: float = Field(
+        default=300.0, gt=0, description="a job's deadline, in seconds from its submit, when it "
+                                         "sets no timeout_s")
+    host: str = Field(default="127.0.0.1", description="the address servers bind")
+    port: int = Field(default=8000, ge=0, lt=65536,
+                      description="the port the API (or the gateway) serves on")
+    gateway_url: str | None = Field(
+        default=None, description="base URL clients stream from (ws:// or wss://); unset: the "
+                                  "API's own address with the ws scheme")
+    lane_partitions: int = Field(
+        default=1, ge=1, description="streams per model and lane (each its own cluster hash "
+                                     "tag), spreading one lane over Redis Cluster shards")
     # Prefix-aware routing (tidegate.routing): workers announce their prefix caches, the API
-    # sends each job to the worker holding most of its prompt, on that worker's own stream;
-    # what waited there steal_delay_ms is taken by any idle worker of the model. False on the
-    # API: every job to the shared lanes; on a worker: it announces nothing and reads no stream
-    # of its own (it still takes others' waiting jobs).
-    prefix_routing: bool = True
-    steal_delay_ms: int = Field(default=200, ge=0, le=60_000)
-    # A worker writes its events at most this often (0: as soon as the previous write landed);
-    # a job's start, first token and end go at once regardless. Tokens a job generated
-    # meanwhile leave as one event: fewer, larger writes and frames. 10 ms is below what a
-    # reader notices and above a small model's step on a CPU (a GPU step of a large batch
-    # takes longer anyway).
-    stream_interval_ms: float = Field(default=10.0, ge=0, le=1000)
-    # Events a watcher (WebSocket or SSE client) may fall behind before it is cut off (1013).
-    watcher_queue_size: int = Field(default=1024, ge=1)
-    # Bytes a watcher may have waiting (its queued events, on a WebSocket also its connection's
-    # write buffer and kernel send queue) before it is cut with 1013.
-    watcher_backlog_bytes: int = Field(default=1 << 20, ge=4096)
-    # How long a job's keys (hash, event stream) live while it is queued or running; every
-    # write refreshes it. Once the job ends, its final status's retention below applies.
-    job_ttl_s: int = Field(default=24 * 3600, ge=60)
+    # sends each job to the worker holding most of its prompt, on that worker's own stream.
+    prefix_routing: bool = Field(
+        default=True,
+        description="send each job to the worker holding most of its prompt in its prefix "
+                    "cache; false on the API: every job to the shared lanes; false on a worker: "
+                    "it announces nothing and reads no stream of its own (it still takes others' "
+                    "waiting jobs)")
+    steal_delay_ms: int = Field(
+        default=200, ge=0, le=60_000,
+        description="how long a routed job waits on its worker's stream before any idle worker "
+                    "of the model may take it")
+    # 10 ms is below what a reader notices and above a small model's step on a CPU (a GPU step
+    # of a large batch takes longer anyway).
+    stream_interval_ms: float = Field(
+        default=10.0, ge=0, le=1000,
+        description="a worker writes its events at most this often (0: as soon as the previous "
+                    "write landed); a job's start, first token and end go at once regardless; "
+                    "tokens generated meanwhile leave as one event")
+    watcher_queue_size: int = Field(
+        default=1024, ge=1, description="events a watcher (WebSocket or SSE client) may fall "
+                                        "behind before it is cut off (close code 1013)")
+    watcher_backlog_bytes: int = Field(
+        default=1 << 20, ge=4096,
+        description="bytes a watcher may have waiting (its queued events, on a WebSocket also "
+                    "its connection's write buffer and kernel send queue) before it is cut "
+                    "with 1013")
+    job_ttl_s: int = Field(
+        default=24 * 3600, ge=60,
+        description="how long a queued or running job's keys (hash, event stream) live; every "
+                    "write refreshes it; once the job ends, its final status's retention applies")
     # Retention of a finished job's keys (``tidegate.retention``), by how it ended. Results are
     # what clients come back for; a rejection or a cancel is told to the client at once (the
     # 202's stream, or the cancel's answer), so minutes cover a late look. Redis memory in the
     # steady state is about the sum over statuses of rate x retention x bytes per job
     # (benchmarks/results/serving/soak.md).
-    result_ttl_s: int = Field(default=24 * 3600, ge=1, description="done jobs")
-    error_ttl_s: int = Field(default=3600, ge=1, description="failed jobs")
-    rejected_ttl_s: int = Field(default=300, ge=1, description="rejected jobs")
-    cancelled_ttl_s: int = Field(default=300, ge=1, description="cancelled jobs")
-    # An Idempotency-Key's claim (about 260 bytes); past its job's retention it is released
-    # anyway, so above result_ttl_s it only costs memory.
-    idempotency_ttl_s: int = Field(default=24 * 3600, ge=1)
-    # The most new tokens one job may ask for (422 on max_tokens beyond it): with the model's
-    # context it bounds the text stored per job (result, done event, token events).
-    max_output_tokens: int = Field(default=MAX_TOKENS_LIMIT, ge=1, le=MAX_TOKENS_LIMIT)
-    log_level: str = "INFO"
-    # API keys (TIDEGATE_API_KEYS: "k1,k2" or a JSON list), and/or a file of one key per line
-    # ('#' comments). None configured: auth is off (local development).
-    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
-    api_keys_file: str | None = None
-    # Keys that may also call the admin routes (POST /v1/adapters): same forms as api_keys;
-    # they are valid API keys too. A keys-file line marks its key with the word ``admin``.
+    result_ttl_s: int = Field(default=24 * 3600, ge=1,
+                              description="retention of a done job's keys")
+    error_ttl_s: int = Field(default=3600, ge=1, description="retention of a failed job's keys")
+    rejected_ttl_s: int = Field(default=300, ge=1,
+                                description="retention of a rejected job's keys")
+    cancelled_ttl_s: int = Field(default=300, ge=1,
+                                 description="retention of a cancelled job's keys")
+    # A claim is about 260 bytes; past its job's retention it is released anyway, so above
+    # result_ttl_s it only costs memory.
+    idempotency_ttl_s: int = Field(default=24 * 3600, ge=1,
+                                   description="how long an Idempotency-Key returns its job")
+    # With the model's context it bounds the text stored per job (result, done event, token
+    # events).
+    max_output_tokens: int = Field(
+        default=MAX_TOKENS_LIMIT, ge=1, le=MAX_TOKENS_LIMIT,
+        description="the most new tokens one job may ask for (422 on a max_tokens beyond it)")
+    log_level: str = Field(default="INFO",
+                           description="DEBUG, INFO, WARNING, ERROR; TRACE: uvicorn's protocol "
+                                       "traces too")
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, repr=False,
+        description="API keys (a comma list or a JSON list); with api_keys_file unset too, auth "
+                    "is off (local development)")
+    api_keys_file: str | None = Field(
+        default=None, description="a file of API keys, one a line ('#' comments), each "
+                                  "optionally with its own rate limits and the word admin")
     # Auth off (no key configured at all): the admin routes are open (local development).
-    admin_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
-    # Per lane, jobs waiting or unacknowledged above which submits are refused (429).
-    max_backlog: int = Field(default=10_000, ge=1)
-    retry_after_s: int = Field(default=2, ge=1)
-    # Each tenant's (API key's) default rate limits, held in Redis across API replicas
-    # (producer/submit/rate_limit.py); a keys-file line may set its key's own. None: unlimited.
-    rate_limit_requests_per_s: float | None = Field(default=None, gt=0)
-    # Charged prompt tokens + max_tokens at submit, as OpenAI counts them at admission.
-    rate_limit_tokens_per_min: int | None = Field(default=None, gt=0)
+    admin_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, repr=False,
+        description="keys that may also call the admin routes (POST /v1/adapters), in "
+                    "api_keys' forms; they are valid API keys too")
+    max_backlog: int = Field(default=10_000, ge=1,
+                             description="per model and lane, jobs waiting or unacknowledged "
+                                         "above which submits are refused (429)")
+    retry_after_s: int = Field(default=2, ge=1,
+                               description="the Retry-After a full lane's 429 carries")
+    # Held in Redis across API replicas (producer/submit/rate_limit.py).
+    rate_limit_requests_per_s: float | None = Field(
+        default=None, gt=0, description="each tenant's (API key's) default request rate; a "
+                                        "keys-file line may set its own; unset: unlimited")
+    rate_limit_tokens_per_min: int | None = Field(
+        default=None, gt=0,
+        description="each tenant's default tokens per minute, charged as prompt tokens + "
+                    "max_tokens at submit (as OpenAI counts them at admission); unset: unlimited")
 
     @field_validator("redis_url")
     @classmethod

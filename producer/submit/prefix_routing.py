@@ -13,11 +13,12 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 
 import redis.asyncio as aioredis
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from tidegate.cancelling import cancel_and_wait
+from tidegate.operations.metric_doc import MetricDoc
 from tidegate.producer.submit.prefix_router import SHARED, PrefixRouter, Route
 from tidegate.routing.cache_announcement import ROUTE_REFRESH_S
 from tidegate.routing.prefix_hashes import adapter_salt
@@ -25,6 +26,10 @@ from tidegate.routing.prefix_hashes import adapter_salt
 log = logging.getLogger("tidegate.api")
 
 ROUTES = ("cached", "placed", "shared")
+ROUTED_JOBS = MetricDoc(
+    "tidegate_routed_jobs", "counter", "Jobs this API process submitted, by where prefix-aware "
+    "routing sent them: cached (a worker holding part of the prompt), placed (first sight of "
+    "the prefix: the least loaded worker), shared (the shared lane).", ("model", "route"))
 
 
 class PrefixRouting(Collector):
@@ -72,11 +77,7 @@ class PrefixRouting(Collector):
             await asyncio.sleep(self.refresh_s)
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
-            "tidegate_routed_jobs", "Jobs this API process submitted, by where prefix-aware "
-            "routing sent them: cached (a worker holding part of the prompt), placed (first "
-            "sight of the prefix: the least loaded worker), shared (the shared lane).",
-            labels=["model", "route"])
+        family = ROUTED_JOBS.family()
         for model in self.routers:
             for kind in ROUTES:
                 family.add_metric([model, kind], self.routes[(model, kind)])

@@ -26,13 +26,14 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import Metric
 from redis.exceptions import NoScriptError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tidegate import keys
 from tidegate.http.auth import Auth
 from tidegate.http.key_file import UNLIMITED, KeyLimits
+from tidegate.operations.metric_doc import MetricDoc
 from tidegate.producer.errors import FieldError
 from tidegate.producer.submit.refusal import Refusal
 from tidegate.settings import Settings
@@ -96,6 +97,9 @@ return out
 """
 _CHARGE_SHA = hashlib.sha1(_CHARGE_LUA.encode()).hexdigest()
 LIMITS = ("requests", "tokens")  # the ``limit`` a refusal names, bucket 1 and 2 of the script
+RATE_LIMITED = MetricDoc("tidegate_rate_limited", "counter", "Submits refused (429 rate_limited) "
+                         "by this API process, per tenant and the limit that refused them.",
+                         ("tenant", "limit"))
 
 
 class ScriptRunner(Protocol):
@@ -225,9 +229,7 @@ class RateLimiter:
 
     def collect(self) -> Iterator[Metric]:
         """``tidegate_rate_limited_total{tenant, limit}`` (a Prometheus collector)."""
-        counter = CounterMetricFamily("tidegate_rate_limited", "Submits refused (429 "
-                                      "rate_limited) by this API process, per tenant and the "
-                                      "limit that refused them.", labels=["tenant", "limit"])
+        counter = RATE_LIMITED.family()
         for (tenant, limit), count in sorted(self.refused.items()):
             counter.add_metric([tenant, limit], count)
         yield counter

@@ -25,6 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import RedisServer, free_port
+from tests.metric_reference import assert_documented
 from tests.stack_process import TIDEGATE, cli, heartbeat_of, stop, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -78,6 +79,7 @@ class Proc:
     def metrics(self) -> dict[str, float]:
         """The worker's /metrics: each sample's name -> its value, summed over labels."""
         text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+        assert_documented(text)
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:

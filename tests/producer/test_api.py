@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 
 from tests.asgi_server import serve
 from tests.conftest import free_port
+from tests.metric_reference import assert_documented
 from tests.producer.conftest import MODEL
 from tidegate import keys
 from tidegate.http.auth import token_hash
@@ -209,3 +210,4 @@ async def test_readiness_and_queue_metrics(http: httpx.AsyncClient) -> None:
                               'partition="0"}')]
     assert lag and float(lag[0].split()[-1]) >= 1
     assert "tidegate_redis_up 1.0" in r.text
+    assert_documented(r.text)

@@ -22,6 +22,7 @@ from websockets.exceptions import ConnectionClosed
 
 from tests.asgi_server import serve
 from tests.conftest import RedisServer
+from tests.metric_reference import assert_documented
 from tests.streaming.test_gateway import (
     ids,
     job_events,
@@ -424,6 +425,7 @@ async def test_metrics_and_readiness_follow_the_queue_and_redis(
                                                                       "reason": "ready"}
         r = await http.get(f"{gateway_http}/metrics")
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        assert_documented(r.text)
         m = samples(r.text)
         interactive = (("lane", "interactive"), ("model", "random_tiny"), ("partition", "0"))
         assert m[("tidegate_queue_lag", interactive)] == 3

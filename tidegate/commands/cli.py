@@ -32,21 +32,28 @@ class CliError(Exception):
         self.code = code
 
 
+# Flags that set a setting (a flag's dest -> the setting's name), on every command but those
+# in OWN_OPTIONS. --model and --lora (repeatable) are lists: None when not given.
+SETTING_FLAGS: dict[str, str] = {
+    **{f: f for f in (
+        "redis_url", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gb",
+        "kv_cache_dtype", "cuda_graphs", "weights", "quantize", "cpu_activations", "host",
+        "port", "log_level", "models_file", "max_loras", "max_lora_rank",
+        "tensor_parallel_size", "pipeline_parallel_size", "speculative",
+        "num_speculative_tokens", "speculative_max_batch", "prefix_routing", "steal_delay_ms")},
+    "model": "models", "lora": "loras"}
+# Commands whose flags are their own (a request's fields, a tool's options), not settings.
+OWN_OPTIONS = frozenset({"submit", "eval-ppl", "quantize", "models"})
+
+
 def _settings(args: argparse.Namespace):  # -> Settings
     from pydantic import ValidationError
 
     from tidegate.settings import load_settings
 
-    fields = ("redis_url", "device", "dtype", "max_num_seqs", "max_num_batched_tokens",
-              "kv_cache_gb", "kv_cache_dtype", "cuda_graphs", "weights", "quantize",
-              "cpu_activations", "host", "port", "log_level", "models_file", "max_loras",
-              "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size", "speculative",
-              "num_speculative_tokens", "speculative_max_batch", "prefix_routing",
-              "steal_delay_ms")
-    overrides = {f: getattr(args, f, None) for f in fields}
-    # --model (repeatable) and --lora (repeatable): lists, None when not given.
-    overrides["models"] = getattr(args, "model", None) or None
-    overrides["loras"] = getattr(args, "lora", None) or None
+    overrides = {setting: getattr(args, flag, None) for flag, setting in SETTING_FLAGS.items()}
+    for flag in ("model", "lora"):
+        overrides[SETTING_FLAGS[flag]] = overrides[SETTING_FLAGS[flag]] or None
     try:
         return load_settings(**overrides)
     except ValidationError as exc:
@@ -494,14 +501,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--raw", action="store_true", help="send a plain prompt, no chat template")
     p.add_argument("--system", help="a system message")
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--max-tokens", type=int, help="the most tokens to generate (default 256)")
+    p.add_argument("--temperature", type=float, help="0 (default): greedy; up to 2")
+    p.add_argument("--top-p", type=float, help="nucleus sampling's probability mass (default 1)")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens (default 0: "
+                                             "off)")
+    p.add_argument("--seed", type=int, help="the sampler's random seed")
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--timeout", type=float, help="seconds until the job's deadline")
-    p.add_argument("--lane", choices=["interactive", "batch"])
+    p.add_argument("--lane", choices=["interactive", "batch"],
+                   help="the lane it waits in (default interactive)")
     p.add_argument("--model", help="a served model's name or alias, or BASE:ADAPTER "
                                    "(default: the deployment's first model)")
     p.add_argument("--lora", help="a LoRA adapter registered on the model")
@@ -525,14 +534,14 @@ def build_parser() -> argparse.ArgumentParser:
     b = batch_sub.add_parser("submit", help="submit a JSONL file of requests; prints its id")
     b.add_argument("file", help="OpenAI Batch-style lines: {custom_id, body}; - for stdin")
     b = batch_sub.add_parser("status", help="progress of a batch")
-    b.add_argument("batch_id")
+    b.add_argument("batch_id", help="the id batch submit printed")
     b.add_argument("--wait", action="store_true", help="follow the progress bar to the end")
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b = batch_sub.add_parser("results", help="one output line per input line, in input order")
-    b.add_argument("batch_id")
+    b.add_argument("batch_id", help="the id batch submit printed")
     b.add_argument("-o", "--output", help="file to write (default: stdout)")
     b = batch_sub.add_parser("cancel", help="cancel a batch's unfinished lines")
-    b.add_argument("batch_id")
+    b.add_argument("batch_id", help="the id batch submit printed")
     for b in batch_sub.choices.values():
         b.add_argument("--redis-url", help="default: env TIDEGATE_REDIS_URL or REDIS_URL")
         b.set_defaults(func=cmd_batch)

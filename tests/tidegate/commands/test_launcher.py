@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
+from tests.metric_reference import assert_documented
 from tests.stack_process import children
 from tests.stack_process import is_alive as alive
 
@@ -61,6 +62,7 @@ def test_up_without_redis_server_uses_embedded_fakeredis_and_answers(tmp_path: P
             metrics = answer.read().decode()
         assert 'tidegate_routed_jobs_total{model="random_tiny",route="shared"} 1.0' in metrics
         assert "tidegate_queue_lag" in metrics
+        assert_documented(metrics)
         # SIGTERM (docker stop, systemd) stops `up` and its worker with it: no orphan.
         workers = children(proc.pid)
         assert workers, "up runs its worker as a child process"

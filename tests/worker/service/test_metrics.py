@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import RedisServer
+from tests.metric_reference import assert_documented
 from tests.worker.service.test_service import collect, submit, tiny  # noqa: F401 - fixture
 from tidegate import keys
 from tidegate.jobstore import JOB_FIELD, read_result
@@ -46,6 +47,7 @@ async def scrape(url: str) -> dict[tuple[str, tuple], float]:
     async with httpx.AsyncClient() as http:
         r = await http.get(f"{url}/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert_documented(r.text)
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(r.text) for s in family.samples}
 
