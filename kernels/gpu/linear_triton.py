@@ -25,6 +25,7 @@ the step's ~130 projections. Reference: ``tidegate.kernels.cpu.linear.linear_ref
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -335,6 +336,13 @@ def default_config(m: int, n: int, k: int, silu: bool = False) -> SkinnyConfig:
                         dot=False, persistent=4)
 
 
+# Triton's interpreter (CPU tensors) runs each loop iteration of a program as NumPy calls on
+# tiny tiles: over the GPU's blocks of 1-2 rows, one decode step of the 2-layer test model took
+# about a second. The same kernel over blocks of 16 rows gives every row the same sums (a row's
+# K is reduced the same way whatever the block) in an eighth to a sixteenth of the iterations.
+INTERPRETER_BLOCK_N = 16
+
+
 @functools.cache
 def _num_sms_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -398,6 +406,8 @@ def skinny_linear_triton(
     if m == 0 or n == 0:
         return out
     cfg = config or default_config(m, n, k, silu)
+    if config is None and not cfg.dot and x.device.type != "cuda":
+        cfg = dataclasses.replace(cfg, block_n=max(cfg.block_n, INTERPRETER_BLOCK_N))
     if fp8 and cfg.dot:
         raise ValueError("e4m3 weights take the FMA tiles (dot=False)")
     use_pdl = pdl_supported(x.device) if pdl is None else pdl
