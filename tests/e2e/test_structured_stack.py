@@ -91,18 +91,38 @@ def test_every_fixture_schema_gives_valid_json(stack: tuple[str, str]) -> None:
         jsonschema.validate(json.loads(text), fixture["schema"])
 
 
+async def _streamed_and_whole(url: str, model: str) -> list[tuple[list[Any], str]]:
+    """Every tenth fixture asked twice at once, streamed and whole: (chunks, whole text) each.
+    All in flight together, as a service's clients ask: a job's tokens do not depend on what
+    else shares its batch."""
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
+                           timeout=300) as client:
+        async def both(i: int, fixture: dict[str, Any]) -> tuple[list[Any], str]:
+            kwargs: dict[str, Any] = dict(model="tidegate", messages=_ask(fixture),
+                                          response_format=_format(fixture), seed=i,
+                                          **_budget(model))
+
+            async def streamed() -> list[Any]:
+                return [c async for c in await client.chat.completions.create(stream=True,
+                                                                              **kwargs)]
+
+            chunks, whole = await asyncio.gather(streamed(),
+                                                 client.chat.completions.create(**kwargs))
+            return chunks, whole.choices[0].message.content or ""
+
+        return await asyncio.gather(*(both(i, f) for i, f in enumerate(FIXTURES[::10])))
+
+
 def test_streamed_schemas_equal_their_answers(stack: tuple[str, str]) -> None:
     model, url = stack
-    client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
-    for i, fixture in enumerate(FIXTURES[::10]):
-        kwargs: dict[str, Any] = dict(model="tidegate", messages=_ask(fixture),
-                                      response_format=_format(fixture), seed=i, **_budget(model))
-        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    answers = asyncio.run(_streamed_and_whole(url, model))
+    assert len(answers) == len(FIXTURES[::10])
+    for (chunks, whole), fixture in zip(answers, FIXTURES[::10], strict=True):
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[-1].choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(streamed), fixture["schema"])
         # Seeded: the same request answered whole gives the same text.
-        assert client.chat.completions.create(**kwargs).choices[0].message.content == streamed
+        assert whole == streamed
 
 
 @pytest.mark.parametrize("stream", [False, True])
