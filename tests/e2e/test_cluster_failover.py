@@ -8,7 +8,7 @@ and 3 replicas, jobs submitted and followed over the gateway with the Python cli
   accepted job ends done and every client's stream equals the stored result; API, gateway and
   workers reconnect by themselves and the stack takes new jobs. Before the kill the master's
   writes are paused until its replica has them all: what this test checks is tidegate's side
-  of a failover, not Redis' asynchronous replication window (docs/guides/redis-cluster.md).
+  of a failover, not Redis' asynchronous replication window (docs/guides/operations/redis-cluster.md).
 - Every script the stack ran touched one slot (MONITOR on every master, the keys of each
   EVAL/EVALSHA hashed), as a cluster requires.
 """

@@ -22,8 +22,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from tidegate.benchmarks.harness.load.http import HttpError, sse_events
 
 FINAL_TYPES = frozenset({"done", "error", "rejected"})
-# Close codes after which a client resumes (docs/guides/streaming.md: 1001/1012 restart, 1013
-# lagging or Redis).
+# Close codes after which a client resumes (docs/guides/clients/streaming.md: 1001/1012 restart,
+# 1013 lagging or Redis).
 RESUMABLE_CLOSES = frozenset({1001, 1006, 1011, 1012, 1013})
 MAX_RESUMES = 5
 MAX_PROBLEMS = 4
