@@ -19,6 +19,7 @@ from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
+from tidegate.commands.reference.http_reference import served_document
 from tidegate.commands.reference.pages import reference_pages, undocumented
 
 ROOMS = {"serving": "Serving", "engine": "Engine", "cluster": "Fleet and cluster"}
@@ -27,10 +28,11 @@ _LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:
-    if missing := undocumented():
+    document = served_document()  # built once, for the check and the pages
+    if missing := undocumented(document):
         raise PluginError("the reference lacks descriptions:\n  " + "\n  ".join(missing))
     root = Path(config.config_file_path).parent
-    for path, text in reference_pages().items():
+    for path, text in reference_pages(document).items():
         files.append(File.generated(config, path, content=text))
     results = root / "benchmarks" / "results"
     carried = {p.relative_to(results).as_posix() for p in results.rglob("*")

@@ -29,9 +29,9 @@ def source_folders() -> list[Path]:
     return folders
 
 
-def reference_pages() -> dict[str, str]:
-    """Docs path -> Markdown (or JSON) text."""
-    document = http_reference.served_document()
+def reference_pages(document: dict | None = None) -> dict[str, str]:
+    """Docs path -> Markdown (or JSON) text (``document``: the served OpenAPI, if built)."""
+    document = document or http_reference.served_document()
     makers: dict[str, Callable[[], str]] = {
         cli_reference.PAGE: cli_reference.page,
         settings_reference.PAGE: settings_reference.page,
@@ -43,8 +43,8 @@ def reference_pages() -> dict[str, str]:
     return {path: make() for path, make in makers.items()}
 
 
-def undocumented() -> list[str]:
+def undocumented(document: dict | None = None) -> list[str]:
     """Every flag, setting, environment variable, metric, route and event without a
     description: empty, or the docs are incomplete."""
     return [*cli_reference.gaps(), *settings_reference.gaps(source_folders()),
-            *metrics_reference.gaps(), *http_reference.gaps(), *events_reference.gaps()]
+            *metrics_reference.gaps(), *http_reference.gaps(document), *events_reference.gaps()]
