@@ -33,8 +33,8 @@ from tidegate.benchmarks.harness.measure.metrics import Dist
 from tidegate.protocol import SamplingParams, now_ms
 from tidegate.settings import load_settings
 from tidegate.worker.engine.engine import Engine, EngineRequest
-from tidegate.worker.service.service import build_engine
-from tidegate.worker.shedding.calibration import calibrate
+from tidegate.worker.service.service import build_engine, pace_steps
+from tidegate.worker.shedding.calibration import calibrate, timed_step
 from tidegate.worker.shedding.load_shedder import LoadShedder, ShedderConfig
 
 
@@ -46,8 +46,11 @@ def params_of(n: int, formats: list[dict[str, Any] | None] | None, i: int) -> Sa
 
 def run(engine: Engine, prompts: list[list[int]], output_lens: list[int],
         timeout_s: float, *, cuda: bool,
-        formats: list[dict[str, Any] | None] | None = None) -> dict[str, object]:
-    """All requests added at once, stepped to the end: throughput and per-request latencies."""
+        formats: list[dict[str, Any] | None] | None = None,
+        shedder: LoadShedder | None = None) -> dict[str, object]:
+    """All requests added at once, stepped to the end: throughput and per-request latencies.
+    ``shedder``: each step timed into it, as the worker times its steps (its step budget
+    follows them)."""
     deadline = now_ms() + int(1000 * timeout_s)  # as the stack's jobs carry theirs
     params = [params_of(n, formats, i) for i, n in enumerate(output_lens)]  # formats compile
     t0 = time.perf_counter()
@@ -56,7 +59,7 @@ def run(engine: Engine, prompts: list[list[int]], output_lens: list[int],
     first: dict[str, float] = {}
     finished: dict[str, tuple[float, int, str, str | None]] = {}
     while engine.has_unfinished():
-        outputs = engine.step()
+        outputs = timed_step(engine, shedder) if shedder else engine.step()
         now = time.perf_counter()
         for out in outputs:
             if out.token_id is not None:
@@ -89,8 +92,10 @@ def run(engine: Engine, prompts: list[list[int]], output_lens: list[int],
 
 def run_arrivals(engine: Engine, prompts: list[list[int]], output_lens: list[int],
                  offsets_s: list[float], timeout_s: float, *, cuda: bool,
-                 formats: list[dict[str, Any] | None] | None = None) -> dict[str, object]:
-    """Each request added at its arrival offset; steps while any runs."""
+                 formats: list[dict[str, Any] | None] | None = None,
+                 shedder: LoadShedder | None = None) -> dict[str, object]:
+    """Each request added at its arrival offset; steps while any runs (``shedder``: as
+    ``run``'s)."""
     order = sorted(range(len(prompts)), key=offsets_s.__getitem__)
     arrival: dict[str, float] = {}
     first: dict[str, float] = {}
@@ -111,7 +116,7 @@ def run_arrivals(engine: Engine, prompts: list[list[int]], output_lens: list[int
         if not engine.has_unfinished():
             time.sleep(max(0.0, t0 + offsets_s[order[nxt]] - time.perf_counter()))
             continue
-        outputs = engine.step()
+        outputs = timed_step(engine, shedder) if shedder else engine.step()
         now = time.perf_counter()
         made = 0
         for out in outputs:
@@ -151,8 +156,10 @@ def main(spec_path: str, out_path: str) -> None:
     engine = build_engine(settings)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    calibrate(engine, LoadShedder(ShedderConfig(enabled=settings.load_shedding,
-                                                safety=settings.shedding_safety)))
+    shedder = LoadShedder(ShedderConfig(enabled=settings.load_shedding,
+                                        safety=settings.shedding_safety))
+    calibrate(engine, shedder)
+    pace_steps(engine, shedder, settings)  # as the worker does
     formats = [f for work in spec["runs"].values() for f in work.get("formats") or () if f]
     if formats:
         warm_grammars(engine, formats)
@@ -163,18 +170,98 @@ def main(spec_path: str, out_path: str) -> None:
         engine.grammars.stats = type(engine.grammars.stats)()  # each run's masks alone
         if work.get("offsets_s") is None:
             result = run(engine, work["prompts"], work["output_lens"], spec["timeout_s"],
-                         cuda=cuda, formats=work.get("formats"))
+                         cuda=cuda, formats=work.get("formats"), shedder=shedder)
         else:
             result = run_arrivals(engine, work["prompts"], work["output_lens"],
                                   work["offsets_s"], spec["timeout_s"], cuda=cuda,
-                                  formats=work.get("formats"))
+                                  formats=work.get("formats"), shedder=shedder)
         print(f"engine alone, {name}: {result['output_tok_s']} output tok/s "
               f"({result['output_tokens']} tokens in {result['wall_s']} s)", flush=True)
         results[name] = result | {"load_s": round(load_s, 2), "warmup_s": round(warm_s, 2),
                                   "device": settings.device,
                                   "kv_cache": engine.kv_spec.describe(),
                                   "engine_config": dict(asdict(engine.config).items())}
+    if spec.get("roofline"):
+        shape = spec["roofline"]
+        results["roofline"] = roofline(engine, shape["mean_input"], shape["mean_output"],
+                                       cuda=cuda)
+        print(f"engine alone, roofline: {results['roofline']}", flush=True)
     Path(out_path).write_text(json.dumps(results))
+
+
+ROOFLINE_DECODE_STEPS = 24
+
+
+def roofline(engine: Engine, mean_input: float, mean_output: float, *, cuda: bool
+             ) -> dict[str, float]:
+    """What bounds a mix on this device, measured here: a large matrix product's rate (bf16
+    8192^3 on CUDA, float32 1024^3 on the CPU), the model's FLOPs per prompt token (2 x the
+    layers' matrix weights, attention over half the mean prompt, the LM head once a prompt),
+    and the decode step at the
+    batch the mix fills the KV cache with (every seat when it fits), each context the mean
+    prompt plus half the mean output. ``roofline_req_s``: requests/s if prompts ran at that
+    rate and outputs at that step, nothing else counted."""
+    size, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
+    device = "cuda" if cuda else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(size, size, dtype=dtype, device=device, generator=gen) for _ in "ab")
+    for _ in range(3):
+        a @ b
+    reps = 10
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if cuda:
+        torch.cuda.synchronize()
+    flop_s = 2 * size**3 * reps / (time.perf_counter() - t0)
+    del a, b
+    model = engine.runner.model  # type: ignore[attr-defined]
+    cfg = model.cfg
+    # The layers' matrices run for every prompt token, the LM head for a prompt's last alone.
+    layers = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2)
+    head = (model.lm_head or model.embed_tokens).weight.numel()
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * mean_input / 2
+    flops_per_token = 2 * layers + attention + 2 * head / mean_input
+    context = int(mean_input + mean_output / 2)
+    batch = max(1, min(engine.config.max_num_seqs,
+                       engine.kv_spec.num_tokens // (context + ROOFLINE_DECODE_STEPS + 16)))
+    step_s = _decode_step_s(engine, batch, context, cuda=cuda)
+    per_request_s = mean_input * flops_per_token / flop_s + mean_output * step_s / batch
+    return {"matmul_tflop_s": round(flop_s / 1e12, 2),
+            "flops_per_prompt_token": round(flops_per_token), "decode_batch": batch,
+            "decode_context": context, "decode_step_ms": round(1000 * step_s, 3),
+            "mean_input": round(mean_input, 1), "mean_output": round(mean_output, 1),
+            "roofline_req_s": round(1 / per_request_s, 2)}
+
+
+def _decode_step_s(engine: Engine, batch: int, context: int, *, cuda: bool) -> float:
+    """The median step of ``batch`` requests decoding at ``context`` tokens (prompts computed
+    first, unmeasured); the requests are aborted after."""
+    vocab = engine.tokenizer.vocab_size
+    params = SamplingParams(max_tokens=ROOFLINE_DECODE_STEPS + 8, ignore_eos=True)
+    ids = [f"roofline-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(EngineRequest(
+            rid, [(7919 * (i * context + j) + i) % (vocab - 1) + 1 for j in range(context)],
+            params))
+    while engine.pending_prefill_tokens:
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    times = []
+    for _ in range(ROOFLINE_DECODE_STEPS):
+        t0 = time.perf_counter()
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return sorted(times)[len(times) // 2]
 
 
 def warm_grammars(engine: Engine, formats: list[dict[str, Any]]) -> None:

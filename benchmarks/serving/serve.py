@@ -64,7 +64,12 @@ from tidegate.benchmarks.harness.measure import (  # noqa: E402
     report,
 )
 from tidegate.benchmarks.harness.measure.json_check import check_outputs, formats_from_file  # noqa: E402
-from tidegate.benchmarks.harness.measure.metrics import RunSummary, Slo, job_details, summarize  # noqa: E402
+from tidegate.benchmarks.harness.measure.metrics import (  # noqa: E402
+    RunSummary,
+    Slo,
+    job_details,
+    summarize,
+)
 from tidegate.benchmarks.harness.run.stack import Stack, StackConfig, StackError, run_engine_alone  # noqa: E402
 
 SECTIONS = ("capacity", "burst", "rates")
@@ -127,6 +132,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--auth", action="store_true", help="run with a generated API key")
     g.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for every stack process (repeatable)")
+    g.add_argument("--worker-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for the workers and the engine alone only (their "
+                        "settings, e.g. TIDEGATE_MAX_STEP_MS=0, or TIDEGATE_LOG_LEVEL=DEBUG for "
+                        "a line per step)")
     g.add_argument("--startup-timeout-s", type=float, default=900)
     g = ap.add_argument_group("workload")
     g.add_argument("--burst", type=int, help="jobs submitted at once (0: no burst run)")
@@ -135,7 +144,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--duration-s", type=float, help="instead of --num-prompts: arrival window")
     g.add_argument("--input-len", type=int)
     g.add_argument("--output-len", type=int)
-    g.add_argument("--length-dist", choices=("fixed", "uniform"), default="fixed")
+    g.add_argument("--length-dist", choices=("fixed", "uniform", "chat"), default="fixed",
+                   help="chat: a long-tailed chat-like mix (workload.chat_lengths: turns of "
+                        "conversations with LMSYS-Chat-1M's averages), clipped to the ranges "
+                        "where given")
+    g.add_argument("--chat-scale", type=float, default=1.0,
+                   help="--length-dist chat: every prompt and response this many times longer")
+    g.add_argument("--shared-prefix-share", type=float, default=0.0,
+                   help="share of jobs whose prompts begin with one common system prompt")
+    g.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="that system prompt's length in tokens")
     g.add_argument("--workload", choices=("random", "quote"), default="random",
                    help="prompts of random words, or an instruction to repeat them (quote: "
                         "the text speculative decoding's prompt lookup drafts from)")
@@ -146,6 +164,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    f"{NO_DEADLINE_S:.0f}: nothing shed)")
     g.add_argument("--slo-ttft-ms", type=float)
     g.add_argument("--slo-tpot-ms", type=float)
+    g.add_argument("--slo-sweep", action="store_true",
+                   help="the rates in ascending order, stopping after the first that misses "
+                        "the SLO (TTFT p99 and TPOT p99 within --slo-ttft-ms and --slo-tpot-ms); "
+                        "reports the highest rate that met it (the SLO goodput rate)")
+    g.add_argument("--cold-jobs", type=int, default=50,
+                   help="a rate run's first jobs (arriving at an idle stack), reported apart "
+                        "from the rest")
     g.add_argument("--response-format", metavar="FILE",
                    help="JSON: a response_format object, a JSON schema, or a list of either "
                         "(or of {name, schema}); every job carries one, in turn")
@@ -179,6 +204,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="'' for none")
     g.add_argument("--save-detailed", action="store_true",
                    help="per-job timings and checks in the JSON too")
+    g.add_argument("--goodput-out", help="also write the run's headline figures here "
+                   "(device, slo_rate_req_s, burst_req_s, roofline_req_s, "
+                   "cold_wave_ttft_p90_ratio)")
+    g.add_argument("--roofline", action="store_true",
+                   help="measure the mix's roofline in the engine-alone process (a bf16 matrix "
+                        "product's rate and the decode step at the batch the mix fills the KV "
+                        "cache with) and report it beside the burst")
     args = ap.parse_args(argv)
     for name, (normal, quick) in DEFAULTS.items():
         if getattr(args, name) is None:
@@ -190,6 +222,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.length_dist == "uniform" and not (args.input_range and args.output_range):
         ap.error("--length-dist uniform needs --input-range and --output-range")
+    if args.slo_sweep and not (args.rates and (args.slo_ttft_ms or args.slo_tpot_ms)):
+        ap.error("--slo-sweep needs --rates and --slo-ttft-ms or --slo-tpot-ms")
+    if not 0 <= args.shared_prefix_share <= 1 or args.shared_prefix_len < 0:
+        ap.error("--shared-prefix-share must be in [0, 1], --shared-prefix-len not negative")
+    if args.shared_prefix_share and not args.shared_prefix_len:
+        ap.error("--shared-prefix-share needs --shared-prefix-len")
+    if args.chat_scale <= 0 or args.cold_jobs < 1:
+        ap.error("--chat-scale and --cold-jobs must be positive")
     if args.length_dist == "fixed" and (args.input_range or args.output_range):
         ap.error("--input-range/--output-range need --length-dist uniform")
     if not 0 < args.follow_fraction <= 1:
@@ -198,8 +238,8 @@ def _check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--rates must be positive")
     if min(args.client_procs, args.workers, args.submit_concurrency) < 1:
         ap.error("--client-procs, --workers and --submit-concurrency must be at least 1")
-    if any("=" not in kv for kv in args.env):
-        ap.error("--env takes KEY=VALUE")
+    if any("=" not in kv for kv in args.env + args.worker_env):
+        ap.error("--env and --worker-env take KEY=VALUE")
     if args.response_format:
         try:
             args.formats = formats_from_file(Path(args.response_format))
@@ -224,6 +264,7 @@ def resolve(args: argparse.Namespace) -> Bench:
         default_timeout_s=args.deadline_s or NO_DEADLINE_S,
         startup_timeout_s=args.startup_timeout_s,
         extra_env=dict(kv.split("=", 1) for kv in args.env),
+        worker_extra_env=dict(kv.split("=", 1) for kv in args.worker_env),
         worker_args=tuple(arg for kv in args.lora for arg in ("--lora", kv)))
     return Bench(args, sections, stack)
 
@@ -251,10 +292,13 @@ def plan_work(bench: Bench) -> list[Run]:
         return tokenizer.encode_prompt(text, None)  # as the worker counts a prompt
 
     def work(offsets: list[float], seed: int, **lengths: object) -> Work:
-        spans = ((tuple(a.input_range), tuple(a.output_range)) if a.length_dist == "uniform"
-                 else (None, None))
+        spans = (tuple(a.input_range) if a.input_range else None,
+                 tuple(a.output_range) if a.output_range else None)
         shape = {"input_len": a.input_len, "output_len": a.output_len, "input_span": spans[0],
-                 "output_span": spans[1], "quote": a.workload == "quote", **lengths}
+                 "output_span": spans[1], "quote": a.workload == "quote",
+                 "chat_scale": a.chat_scale if a.length_dist == "chat" else None,
+                 "shared_share": a.shared_prefix_share, "shared_len": a.shared_prefix_len,
+                 **lengths}
         built = build_work(encode, offsets, seed=seed, **shape)  # type: ignore[arg-type]
         if a.adapters:
             built = dataclasses.replace(built, adapters=tuple(
@@ -266,7 +310,7 @@ def plan_work(bench: Bench) -> list[Run]:
 
     runs = [Run(WARM_UP, None, work([0.0] * WARM_UP_JOBS, a.seed * 1000 + 999,
                                          input_len=16, output_len=4, input_span=None,
-                                         output_span=None))]
+                                         output_span=None, chat_scale=None, shared_share=0.0))]
     if "burst" in bench.sections:
         runs.append(Run("burst", None, work([0.0] * a.burst, a.seed * 1000)))
     for k, rate in enumerate(a.rates if "rates" in bench.sections else []):
@@ -293,7 +337,7 @@ def run_work(bench: Bench, stack: Stack, endpoints: Endpoints, run: Run
     load = run_load(plans, stack.cpu, stack.check_alive)
     after = stack.worker_time()
     kind = "rate" if run.rate is not None else run.name
-    summary = summarize(kind, run.name, run.rate, load, bench.slo)
+    summary = summarize(kind, run.name, run.rate, load, bench.slo, a.cold_jobs)
     summary.worker_time = {name: {k: round(v - before.get(name, {}).get(k, 0.0), 3)
                                   for k, v in counters.items()}
                            for name, counters in after.items()}
@@ -358,11 +402,15 @@ def run(bench: Bench, logdir: Path) -> dict:
         r.name: (r.work, r.rate is not None) for r in runs
         if r.name == "burst" or (r.rate is not None and a.engine_alone_rates)}
     alone: dict[str, dict] = {}
-    if works:
-        print(f"engine alone: {', '.join(works)} ...", flush=True)
-        alone = run_engine_alone(bench.stack, works, bench.timeout_s, logdir)
+    mix = mix_shape(runs) if a.roofline and runs else None
+    if works or mix:
+        print(f"engine alone: {', '.join([*works, *(['roofline'] if mix else [])])} ...",
+              flush=True)
+        alone = run_engine_alone(bench.stack, works, bench.timeout_s, logdir, mix)
         out["engine_alone"] = {name: {k: v for k, v in r.items() if k != "texts"}
-                               for name, r in alone.items()}
+                               for name, r in alone.items() if name != "roofline"}
+        if mix:
+            out["roofline"] = alone.pop("roofline")
     with Stack(bench.stack, logdir) as stack:
         stack.start_front()
         endpoints = Endpoints(stack.api_port, stack.gateway_port, bench.stack.api_key)
@@ -375,6 +423,9 @@ def run(bench: Bench, logdir: Path) -> dict:
             stack.start_workers()
             out["warm_up"] = warm_up(bench, stack, endpoints, warm)
         for run in runs:
+            if run.rate is not None and out.get("slo_missed_at") is not None:
+                print(f"{run.name}: skipped (the SLO was missed at a lower rate)", flush=True)
+                continue
             print(f"{run.name}: {len(run.work)} jobs ...", flush=True)
             summary, load = run_work(bench, stack, endpoints, run)
             if run.name in alone:
@@ -383,8 +434,64 @@ def run(bench: Bench, logdir: Path) -> dict:
             if a.save_detailed:
                 out.setdefault("jobs", {})[run.name] = job_details(load)
             print(report.table([summary]).splitlines()[2], flush=True)
+            if a.slo_sweep and run.rate is not None and not meets_slo(summary, bench.slo):
+                out["slo_missed_at"] = run.rate
             wait_drained(stack)
+    if a.slo_sweep:
+        out["slo_sweep"] = slo_sweep(out["runs"], bench.slo)
     return out
+
+
+def meets_slo(summary: RunSummary, slo: Slo) -> bool:
+    """TTFT p99 and TPOT p99 of the whole run (its cold start too) within the SLO, every job
+    complete."""
+    ttft, tpot = summary.ttft_ms.p99, summary.tpot_ms.p99
+    return (summary.completed == summary.jobs
+            and (slo.ttft_ms is None or (ttft is not None and ttft <= slo.ttft_ms))
+            and (slo.tpot_ms is None or (tpot is not None and tpot <= slo.tpot_ms)))
+
+
+def slo_sweep(runs: list[RunSummary], slo: Slo) -> dict:
+    """The highest rate (of those run, below any that missed) whose run met the SLO."""
+    rated = sorted((s for s in runs if s.request_rate is not None),
+                   key=lambda s: s.request_rate or 0.0)
+    rows, best = [], None
+    for s in rated:
+        met = meets_slo(s, slo)
+        rows.append({"rate": s.request_rate, "ttft_p99_ms": s.ttft_ms.p99,
+                     "tpot_p99_ms": s.tpot_ms.p99, "met": met,
+                     "cold_ttft_p90_ratio": s.cold_ttft_p90_ratio})
+        if not met:
+            break
+        best = s.request_rate
+    return {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "rates": rows,
+            "slo_rate_req_s": best}
+
+
+def mix_shape(runs: list[Run]) -> dict[str, float]:
+    """The mean prompt and output lengths over every measured job."""
+    prompts = [p.tokens for r in runs for p in r.work.prompts]
+    outputs = [n for r in runs for n in r.work.output_lens]
+    return {"mean_input": sum(prompts) / len(prompts), "mean_output": sum(outputs) / len(outputs)}
+
+
+def headline(out: dict) -> dict:
+    """``--goodput-out``: the figures issue 43's targets name, from this run."""
+    runs: list[RunSummary] = out["runs"]
+    burst = next((s for s in runs if s.kind == "burst"), None)
+    ratios = [s.cold_ttft_p90_ratio for s in runs if s.cold_ttft_p90_ratio is not None]
+    return {"device": out.get("machine", {}).get("gpu") or out.get("machine", {}).get("cpu_model"),
+            "date": out.get("date"), "git_commit": out.get("git_commit"),
+            "command": out.get("command"),
+            "slo": {k: v for k, v in (out.get("slo_sweep") or {}).items() if k != "rates"},
+            "slo_rate_req_s": (out.get("slo_sweep") or {}).get("slo_rate_req_s"),
+            "burst_req_s": burst.request_throughput if burst else None,
+            "roofline_req_s": (out.get("roofline") or {}).get("roofline_req_s"),
+            "burst_share_of_roofline": (
+                round(burst.request_throughput / out["roofline"]["roofline_req_s"], 3)
+                if burst and out.get("roofline") else None),
+            "cold_wave_ttft_p90_ratio": max(ratios) if ratios else None,
+            "roofline": out.get("roofline")}
 
 
 def run_capacity(bench: Bench, stack: Stack, endpoints: Endpoints) -> dict:
@@ -446,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     out["exact"] = all(s.exact for s in runs) and out["capacity"].get("follow", {}).get(
         "exact", True)
     report.write_json(Path(args.out), out)
+    if args.goodput_out:
+        report.write_json(Path(args.goodput_out), headline(out))
     print()
     if out["capacity"]:
         print(report.capacity_lines(out["capacity"]))

@@ -86,3 +86,48 @@ def test_the_json_check_tells_prefixes_whole_documents_and_breaks_apart() -> Non
     assert output_problem('{"a": "x', "length", schema) == (None, False)
     assert "closed" in (output_problem('{"a": "x', "stop", schema)[0] or "")
     assert output_problem('{"a": "x"}', "stop", schema) == (None, True)
+
+
+def test_a_chat_mix_sweeps_rates_against_the_slo_and_reports_its_cold_start(
+        tmp_path: Path) -> None:
+    """A chat-like mix over two rates with an SLO: each rate's first jobs apart from the rest,
+    the highest rate that met the SLO, the mix's roofline from the engine alone, and the
+    headline figures in --goodput-out."""
+    headline = tmp_path / "goodput.json"
+    _, result = run_serve(
+        tmp_path, "--only", "burst", "rates", "--no-engine-alone", "--burst", "8",
+        "--length-dist", "chat", "--chat-scale", "0.2", "--input-range", "4", "200",
+        "--output-range", "2", "12", "--shared-prefix-share", "0.5", "--shared-prefix-len", "32",
+        "--rates", "20", "40", "--num-prompts", "24", "--cold-jobs", "6", "--slo-sweep",
+        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--roofline",
+        "--goodput-out", str(headline))
+    assert result["exact"] is True
+    burst, *rates = result["runs"]
+    assert [r["request_rate"] for r in rates] == [20.0, 40.0]
+    for r in rates:
+        assert r["cold"]["jobs"] == 6 and r["steady"]["jobs"] == 18
+        assert r["cold"]["ttft_ms"]["n"] == 6 and r["cold"]["queue_ms"]["n"] == 6
+        assert r["cold_ttft_p90_ratio"] > 0
+    sweep = result["slo_sweep"]
+    assert [row["met"] for row in sweep["rates"]] == [True, True]
+    assert sweep["slo_rate_req_s"] == 40.0
+    roof = result["roofline"]
+    assert roof["matmul_tflop_s"] > 0 and roof["decode_step_ms"] > 0
+    assert roof["flops_per_prompt_token"] > 0 and roof["roofline_req_s"] > 0
+    figures = json.loads(headline.read_text())
+    assert figures["slo_rate_req_s"] == 40.0
+    assert figures["burst_req_s"] == burst["request_throughput"] > 0
+    assert figures["roofline_req_s"] == roof["roofline_req_s"]
+    assert figures["cold_wave_ttft_p90_ratio"] == max(r["cold_ttft_p90_ratio"] for r in rates)
+
+
+def test_a_sweep_stops_at_the_first_rate_that_misses_the_slo(tmp_path: Path) -> None:
+    _, result = run_serve(
+        tmp_path, "--only", "rates", "--no-engine-alone", "--rates", "5", "10",
+        "--num-prompts", "6", "--slo-sweep", "--slo-ttft-ms", "0.001")
+    assert [r["request_rate"] for r in result["runs"]] == [5.0]  # 10/s never ran
+    assert result["slo_sweep"]["slo_rate_req_s"] is None
+    assert result["slo_sweep"]["rates"] == [
+        {"rate": 5.0, "ttft_p99_ms": result["runs"][0]["ttft_ms"]["p99"],
+         "tpot_p99_ms": result["runs"][0]["tpot_ms"]["p99"], "met": False,
+         "cold_ttft_p90_ratio": None}]

@@ -10,8 +10,12 @@ import pytest
 from tidegate.benchmarks.harness.load.follow import Trace
 from tidegate.benchmarks.harness.load.loadgen import JobRecord
 from tidegate.benchmarks.harness.load.workload import (
+    CHAT_PROMPT_MEAN,
+    CHAT_RESPONSE_MEAN,
+    CHAT_TURNS_MEAN,
     QUOTE_ASK,
     build_work,
+    chat_lengths,
     exact_prompt,
     poisson_offsets,
 )
@@ -122,3 +126,36 @@ def test_poisson_arrivals_by_count_or_by_duration() -> None:
     assert len(by_count) == 2000 and by_count[0] == 0.0
     assert 45 < (len(by_count) - 1) / by_count[-1] < 55
     assert max(poisson_offsets(50.0, random.Random(1), duration_s=2.0)) < 2.0
+
+
+def test_chat_lengths_follow_the_documented_averages_and_their_long_tail() -> None:
+    ins, outs = chat_lengths(20_000, random.Random(7))
+    # A turn carries (turns - 1) earlier prompts and responses: its mean input is the prompt
+    # mean plus the mean number of earlier turns times a turn's tokens.
+    expected_in = CHAT_PROMPT_MEAN + (CHAT_TURNS_MEAN - 1) * (CHAT_PROMPT_MEAN
+                                                             + CHAT_RESPONSE_MEAN)
+    assert sum(ins) / len(ins) == pytest.approx(expected_in, rel=0.05)
+    assert sum(outs) / len(outs) == pytest.approx(CHAT_RESPONSE_MEAN, rel=0.05)
+    ordered = sorted(ins)
+    assert ordered[len(ins) // 2] < 0.7 * expected_in  # long-tailed: the median well below
+    assert ordered[int(0.99 * len(ins))] > 4 * expected_in  # the mean, a tail far above it
+    clipped, short = chat_lengths(2000, random.Random(7), input_span=(100, 2000),
+                                  output_span=(50, 500), scale=2.0)
+    assert min(clipped) == 100 and max(clipped) == 2000 and 50 <= min(short) < max(short) <= 500
+
+
+def test_a_share_of_prompts_begins_with_one_system_prompt() -> None:
+    tokenizer = load_tokenizer(resolve_model("random:tiny"))
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode_prompt(text, None)
+
+    work = build_work(encode, [0.0] * 8, input_len=0, output_len=8, input_span=(40, 120),
+                      output_span=(4, 8), seed=5, chat_scale=0.5, shared_share=0.25,
+                      shared_len=48)
+    shared = [p for p in work.prompts if p.token_ids[:40] == work.prompts[3].token_ids[:40]]
+    assert [work.prompts.index(p) for p in shared] == [3, 7]  # every fourth job
+    for p in work.prompts:
+        assert encode(p.text) == list(p.token_ids) and 40 <= p.tokens
+    assert all(p.tokens > 48 for p in shared)  # the system prompt and words of its own
+    assert len({p.text for p in work.prompts}) == 8

@@ -40,7 +40,8 @@ SETTING_FLAGS: dict[str, str] = {
         "kv_cache_dtype", "cuda_graphs", "weights", "quantize", "cpu_activations", "host",
         "port", "log_level", "models_file", "max_loras", "max_lora_rank",
         "tensor_parallel_size", "pipeline_parallel_size", "speculative",
-        "num_speculative_tokens", "speculative_max_batch", "prefix_routing", "steal_delay_ms")},
+        "num_speculative_tokens", "speculative_max_batch", "prefix_routing", "steal_delay_ms",
+        "max_step_ms")},
     "model": "models", "lora": "loras"}
 # Commands whose flags are their own (a request's fields, a tool's options), not settings.
 OWN_OPTIONS = frozenset({"submit", "eval-ppl", "quantize", "models"})
@@ -452,6 +453,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, help="requests batched at once (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="tokens per engine step: decodes plus prompt chunks (default 512)")
+    p.add_argument("--max-step-ms", type=float, metavar="MS",
+                   help="a step that decodes takes about this long at most: prompt chunks "
+                        "beside its decodes sized to fit (default: off)")
     p.add_argument("--kv-cache-gb", type=float,
                    help="KV cache size (default 2 GiB on cpu, 90%% of free memory on cuda)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"],

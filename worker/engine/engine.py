@@ -497,8 +497,11 @@ class Engine:
 
     @property
     def num_backlogged(self) -> int:
-        """Waiting requests the engine had no room for at its last schedule (not those it
-        held a step for another's prefill of their prompt: they run next)."""
+        """Waiting requests, when the engine's last schedule had no room (KV blocks or a seat)
+        for one of them; 0 when they wait only for the step's token budget or for another's
+        prefill of their prompt (they run in the next steps)."""
+        if not self.scheduler.out_of_room:
+            return 0
         return max(0, len(self.scheduler.waiting) - self.scheduler.num_held)
 
     @property

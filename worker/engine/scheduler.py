@@ -1,10 +1,12 @@
 """The scheduler: which tokens of which requests run in the next step.
 
-Each step fills a token budget (``max_num_batched_tokens``) under a sequence cap
-(``max_num_seqs``). Running decodes are placed first, so a long prompt never stalls them; the
-rest of the budget goes to prompt chunks (chunked prefill: a long prompt is split across steps),
-first of running requests, then of waiting ones in order of lane (interactive first), priority,
-earliest deadline, arrival. When the cache runs out of blocks, the running request that comes
+Each step fills a token budget (``max_num_batched_tokens``, or less where ``step_budget``
+says so) under a sequence cap (``max_num_seqs``). Running decodes are placed first, so a long
+prompt never stalls them; the rest of the budget goes to prompt chunks (chunked prefill: a long
+prompt is split across steps), first of running requests, then of waiting ones in order of lane
+(interactive first), priority, earliest deadline, arrival. ``step_budget`` (given the step's
+decode count, the tokens the step may carry) keeps a step that decodes short enough for its
+requests' time per token while prompts still advance (``StepBudget``). When the cache runs out of blocks, the running request that comes
 last in that order is preempted: its blocks are freed and it is recomputed later, never failed.
 Requests with LoRA adapters run only while their adapters fit the device's slots: at most
 ``max_adapters`` distinct adapters among the running requests. A waiting request whose adapter
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tidegate.routing.prefix_hashes import block_hash, prompt_block_hashes
@@ -103,6 +106,11 @@ class Scheduler:
         # it too (requests sharing a new prefix arrive together: a burst, or routed jobs).
         self._in_flight: dict[bytes, tuple[Sequence, int]] = {}
         self.num_held = 0  # waiting requests the last schedule held for such a block
+        # Whether the last schedule left a waiting request out for want of room (KV blocks or
+        # a seat), not merely of this step's token budget: the worker then reads no more jobs.
+        self.out_of_room = False
+        # Given the step's decodes, the tokens it may carry (None: max_num_batched_tokens).
+        self.step_budget: Callable[[int], int] | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -141,9 +149,12 @@ class Scheduler:
                 prefills.append(seq)
             elif left == 1 and not seq.is_complete:
                 decodes.append(seq)
+        limit = self.config.max_num_batched_tokens
+        if self.step_budget is not None:
+            limit = max(1, min(limit, self.step_budget(len(decodes))))
         for seq in decodes + prefills:
             # A preempted victim's chunk leaves the batch, so the budget is recounted each time.
-            budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+            budget = limit - out.num_batched_tokens
             if seq.status is not SeqStatus.RUNNING or budget == 0 or len(out.chunks) >= cap:
                 continue  # preempted earlier in this loop, or no budget or room left
             n = min(seq.num_uncomputed, budget)
@@ -158,9 +169,9 @@ class Scheduler:
                     continue
                 self.blocks.append_slot(seq.request_id, end)
             out.add(ScheduledChunk.of(seq, n))
+        self.out_of_room = bool(out.preempted)
         if not out.preempted:  # under memory pressure, let running requests finish first
-            self._admit_waiting(self.config.max_num_batched_tokens - out.num_batched_tokens, out,
-                                hold_pending, cap)
+            self._admit_waiting(limit - out.num_batched_tokens, out, hold_pending, cap)
         return out
 
     def commit(self, out: SchedulerOutput) -> None:
@@ -208,6 +219,7 @@ class Scheduler:
                 continue
             n = min(len(ids) - cached, budget)
             if not self.blocks.can_allocate(ids, cached + n, salt):
+                self.out_of_room = True
                 break
             self.waiting.pop(i)
             self.prefix_query_tokens += len(ids)
@@ -222,6 +234,8 @@ class Scheduler:
                 self.adapters[seq.adapter] += 1
             out.add(ScheduledChunk.of(seq, n))
             budget -= n
+        if i < len(self.waiting) and len(self.running) >= self.config.max_num_seqs:
+            self.out_of_room = True  # a request waits for a seat
 
     def _computed_elsewhere(self, seq: Sequence, ids: list[int], hits: list[int],
                             salt: bytes | None) -> bool:

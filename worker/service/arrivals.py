@@ -5,8 +5,10 @@ not run (malformed, dead-lettered, expired, cancelled, finished elsewhere: a job
 rejected while it waited is acked unrun, an adapter nobody registered is rejected
 ``adapter_not_found``), claims the rest in one round trip, loads the adapters they name that
 the engine lacks, and tokenizes them; the main loop admits the arrivals at its next step boundary,
-where it can read the engine's state. It never touches the engine but for its counters. While
-the worker is full it still peeks at the head of each lane, to turn away at once the jobs that
+where it can read the engine's state. It never touches the engine but for its counters. The
+worker is full when no seat is free, when the engine had no room (KV blocks) for a waiting
+request, or when it holds more than ``PREFILL_HORIZON_S`` of uncomputed prompt work; while full
+it reads no jobs but still peeks at the head of each lane, to turn away at once the jobs that
 could not finish in time even once a seat frees.
 """
 
@@ -43,6 +45,10 @@ BUSY_BLOCK_MS = 100  # a busy worker's intake waits this long for jobs, then loo
 PEEK_EVERY_S = 0.1
 STEAL_LOOK_MIN_MS = 50  # other workers' streams are looked at no more often than this
 PEEK_COUNT = 16
+# A worker holding more prompt work than this (at its measured prefill rate) reads no more jobs:
+# they wait on the lane for whichever worker starts them first. Below it a worker keeps reading
+# while jobs wait only for its steps' token budgets, which start them within a few steps.
+PREFILL_HORIZON_S = 0.5
 PROMPT_LEN_CACHE = 1024
 RETRY_S = 0.5
 FINAL_STATUSES = frozenset({"done", "error", "rejected"})
@@ -134,7 +140,7 @@ class ArrivalIntake:
     async def _once(self) -> None:
         engine = self.engine
         seats = engine.config.max_num_seqs - engine.num_active - len(self.arrivals)
-        if engine.num_backlogged or seats <= 0:
+        if engine.num_backlogged or seats <= 0 or self._prefill_backlog_s() > PREFILL_HORIZON_S:
             # Full: leave runnable jobs to other workers, but answer hopeless ones at once.
             await self._reject_hopeless_head()
             await self._next_boundary(PEEK_EVERY_S)
@@ -165,6 +171,10 @@ class ArrivalIntake:
         if deliveries:
             await self._prepare(deliveries)
 
+    def _prefill_backlog_s(self) -> float:
+        """Seconds of prompt work the engine holds and has not computed, at its measured rate."""
+        return self.engine.pending_prefill_tokens / self.shedder.prefill_tok_s()
+
     async def _next_boundary(self, timeout_s: float) -> None:
         self._boundary.clear()
         with contextlib.suppress(TimeoutError):
@@ -174,6 +184,11 @@ class ArrivalIntake:
     async def _prepare(self, deliveries: list[Delivery]) -> None:
         """Claim the jobs (one round trip), answer those that will not run, tokenize the rest
         and hand them to the main loop."""
+        if log.isEnabledFor(logging.DEBUG):  # how long the oldest waited in its stream
+            waited = now_ms() - min(int(d.message_id.split("-")[0]) for d in deliveries)
+            log.debug("intake: %d jobs, the oldest enqueued %d ms ago; engine: %d active, "
+                      "%d waiting", len(deliveries), waited, self.engine.num_active,
+                      self.engine.num_waiting)
         mine = self.held()
         held = {d.job.id for d in mine if d.job is not None}
         mine_ids = {(d.stream, d.message_id) for d in mine}

@@ -85,6 +85,7 @@ from tidegate.worker.service.migration import job_seed
 from tidegate.worker.service.publisher import ActiveJob, EventPublisher
 from tidegate.worker.shedding.calibration import calibrate, timed_step
 from tidegate.worker.shedding.load_shedder import Commitments, Load, LoadShedder, ShedderConfig
+from tidegate.worker.shedding.step_budget import StepBudget, StepBudgetConfig
 from tidegate.worker.speculative.speculative_engine import speculative_engine
 
 if TYPE_CHECKING:
@@ -590,6 +591,16 @@ def engine_config(settings: Settings, max_model_len: int, max_loras: int) -> Eng
     )
 
 
+def pace_steps(engine: Engine, shedder: LoadShedder, settings: Settings) -> None:
+    """Bound each step's tokens by the time its decodes may take (``max_step_ms``), from the
+    costs ``shedder`` measures; after calibration, which ran with the engine's whole budget."""
+    ms = settings.max_step_ms or 0.0
+    if ms > 0:
+        engine.scheduler.step_budget = StepBudget(
+            StepBudgetConfig(ms / 1000, engine.config.max_num_batched_tokens), shedder)
+        log.info("steps that decode aim at %.0f ms: prompt chunks sized to fit", ms)
+
+
 def _prepare_grammars(engine: Engine) -> None:
     try:  # the grammar engine's token tables now, not on the first constrained job
         engine.grammars.prepare()
@@ -667,6 +678,7 @@ async def _model_service(settings: Settings, model: ServedModel, redis: aioredis
     print(f"tidegate worker: {model.name}: {engine.kv_spec.describe()}", flush=True)
     shedder = LoadShedder(ShedderConfig(enabled=own.load_shedding, safety=own.shedding_safety))
     calibrate(engine, shedder)
+    pace_steps(engine, shedder, own)
     service = WorkerService(
         redis, engine, model=model.name, worker_id=worker_id,
         partitions=own.lane_partitions, retention=Retention.from_settings(own),

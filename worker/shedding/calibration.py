@@ -21,12 +21,15 @@ def timed_step(engine: Engine, shedder: LoadShedder) -> list[RequestOutput]:
     """One engine step, timed and reported to the load shedder."""
     stats = engine.stats
     prompt0, decode0 = stats.prompt_tokens_computed, stats.decode_tokens
+    preempted0 = stats.preemptions
     t0 = time.perf_counter()
     outputs = engine.step()
     seconds = time.perf_counter() - t0
     prompt, decodes = stats.prompt_tokens_computed - prompt0, stats.decode_tokens - decode0
     shedder.observe_step(prompt, decodes, seconds)
-    log.debug("step: %d prompt tokens, %d decodes, %.1f ms", prompt, decodes, 1000 * seconds)
+    log.debug("step: %d prompt tokens, %d decodes, %.1f ms, %d preempted, %d waiting",
+              prompt, decodes, 1000 * seconds, stats.preemptions - preempted0,
+              engine.num_waiting)
     return outputs
 
 

@@ -11,6 +11,7 @@ grammar is complete.
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -115,6 +116,47 @@ def lengths(count: int, fixed: int, span: tuple[int, int] | None,
     return [rng.randint(span[0], span[1]) for _ in range(count)]
 
 
+# The chat-like mix (``chat_lengths``): a job is one turn of a conversation and carries the turns
+# before it. Averages from LMSYS-Chat-1M's statistics (Zheng et al., 2023, table 1: 2.0 turns a
+# conversation, 69.5 tokens a user prompt, 214.5 a response); each drawn lognormal with these
+# spreads (ours: a long tail of pasted documents and long answers), the turn index geometric.
+CHAT_TURNS_MEAN = 2.0
+CHAT_PROMPT_MEAN, CHAT_PROMPT_SIGMA = 69.5, 1.2
+CHAT_RESPONSE_MEAN, CHAT_RESPONSE_SIGMA = 214.5, 0.9
+
+
+def lognormal(rng: random.Random, mean: float, sigma: float) -> float:
+    """A lognormal draw of the given mean (mu = ln(mean) - sigma^2 / 2)."""
+    return rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)
+
+
+def chat_lengths(count: int, rng: random.Random, *, input_span: tuple[int, int] | None = None,
+                 output_span: tuple[int, int] | None = None, scale: float = 1.0
+                 ) -> tuple[list[int], list[int]]:
+    """(input, output) lengths of ``count`` chat turns: turn j of a conversation (j geometric,
+    mean ``CHAT_TURNS_MEAN``) sends the j - 1 earlier prompts and responses and its own prompt,
+    and gets one response. ``scale`` multiplies every prompt and response (longer chats: a
+    system prompt, documents pasted in); spans clip the results."""
+    ins, outs = [], []
+    for _ in range(count):
+        turn = 1
+        while rng.random() > 1 / CHAT_TURNS_MEAN:
+            turn += 1
+        history = sum(lognormal(rng, CHAT_PROMPT_MEAN, CHAT_PROMPT_SIGMA)
+                      + lognormal(rng, CHAT_RESPONSE_MEAN, CHAT_RESPONSE_SIGMA)
+                      for _ in range(turn - 1))
+        prompt = history + lognormal(rng, CHAT_PROMPT_MEAN, CHAT_PROMPT_SIGMA)
+        ins.append(_clip(round(scale * prompt), input_span))
+        outs.append(_clip(round(scale * lognormal(rng, CHAT_RESPONSE_MEAN, CHAT_RESPONSE_SIGMA)),
+                          output_span))
+    return ins, outs
+
+
+def _clip(n: int, span: tuple[int, int] | None) -> int:
+    lo, hi = span if span is not None else (1, 1 << 30)
+    return min(max(n, lo, 1), hi)
+
+
 def poisson_offsets(rate: float, rng: random.Random, *, count: int | None = None,
                     duration_s: float | None = None) -> list[float]:
     """Open-loop arrivals: exponential gaps at ``rate``/s, the first at 0; ``count`` of them,
@@ -133,14 +175,34 @@ QUOTE_ASK = "Repeat the following words exactly, in the same order:\n\n"
 
 def build_work(encode: Callable[[str], list[int]], offsets_s: list[float], *, input_len: int,
                output_len: int, input_span: tuple[int, int] | None,
-               output_span: tuple[int, int] | None, seed: int, quote: bool = False) -> Work:
+               output_span: tuple[int, int] | None, seed: int, quote: bool = False,
+               chat_scale: float | None = None, shared_share: float = 0.0,
+               shared_len: int = 0) -> Work:
     """``quote``: each prompt is ``QUOTE_ASK`` then its random words (the whole still exactly
-    its length in tokens)."""
+    its length in tokens). ``chat_scale``: lengths from ``chat_lengths`` (the spans clip them)
+    instead of fixed or uniform ones. ``shared_share`` of the jobs (every k-th, evenly spread)
+    begin with one system prompt of ``shared_len`` tokens, the same for all of them (a
+    deployment's instructions), their random words after it; their lengths are at least
+    ``shared_len`` + 1."""
     rng = random.Random(seed)
     n = len(offsets_s)
-    ins = lengths(n, input_len, input_span, rng)
-    outs = lengths(n, output_len, output_span, rng)
-    if not quote:
-        return Work([exact_prompt(encode, k, rng) for k in ins], outs, offsets_s)
-    prompts = [exact_prompt(lambda text: encode(QUOTE_ASK + text), k, rng) for k in ins]
-    return Work([Prompt(QUOTE_ASK + p.text, p.token_ids) for p in prompts], outs, offsets_s)
+    if chat_scale is not None:
+        ins, outs = chat_lengths(n, rng, input_span=input_span, output_span=output_span,
+                                 scale=chat_scale)
+    else:
+        ins = lengths(n, input_len, input_span, rng)
+        outs = lengths(n, output_len, output_span, rng)
+    head = QUOTE_ASK if quote else ""
+    system = exact_prompt(encode, shared_len, random.Random(seed ^ 0x5157)).text + "\n" \
+        if shared_share > 0 and shared_len > 0 else ""
+    prompts = []
+    for i, k in enumerate(ins):
+        shared = bool(system) and int((i + 1) * shared_share) > int(i * shared_share)
+        lead = (system if shared else "") + head
+        if not lead:
+            prompts.append(exact_prompt(encode, k, rng))
+            continue
+        floor = len(encode(lead)) + 1 if shared else k
+        p = exact_prompt(lambda text, lead=lead: encode(lead + text), max(k, floor), rng)
+        prompts.append(Prompt(lead + p.text, p.token_ids))
+    return Work(prompts, outs, offsets_s)

@@ -109,6 +109,11 @@ class RunSummary:
     # Runs with --response-format: the outputs checked against their schemas
     # (tidegate.benchmarks.harness.measure.json_check.JsonCheck).
     json_outputs: dict[str, object] = field(default_factory=dict)
+    # Poisson runs: the first ``cold_jobs`` arrivals (the stack idle before them) apart from
+    # the rest: {"jobs", "ttft_ms", "queue_ms"} each, and the cold TTFT p90 over the steady's.
+    cold: dict[str, object] = field(default_factory=dict)
+    steady: dict[str, object] = field(default_factory=dict)
+    cold_ttft_p90_ratio: float | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -234,7 +239,7 @@ def _length_problem(rec: JobRecord, result: dict) -> str | None:
 
 
 def summarize(kind: str, label: str, rate: float | None, load: LoadResult,
-              slo: Slo) -> RunSummary:
+              slo: Slo, cold_jobs: int = 50) -> RunSummary:
     recs = load.records
     accepted = [r for r in recs if r.job_id is not None]
     done = [r for r in accepted if final_status(r) == "done"]
@@ -289,7 +294,25 @@ def summarize(kind: str, label: str, rate: float | None, load: LoadResult,
         # Against the sample's own arrivals: a short Poisson sample comes off its rate.
         actual = (summary.arrival_rate or rate) * float(np.mean([r.output_len for r in recs]))
         summary.steady_delivered_share = _steady_share(recs, followed, actual)
+        _split_cold(summary, recs, cold_jobs)
     return summary
+
+
+def _split_cold(summary: RunSummary, recs: list[JobRecord], cold_jobs: int) -> None:
+    """The run's first ``cold_jobs`` arrivals apart from the rest (``RunSummary.cold``): a stack
+    that was idle must admit a wave as fast as a busy one does."""
+    ordered = sorted(recs, key=lambda r: r.t_scheduled)
+    if len(ordered) < 2 * cold_jobs:
+        return
+    parts = {"cold": ordered[:cold_jobs], "steady": ordered[cold_jobs:]}
+    for name, part in parts.items():
+        queue = [((r.result or {}).get("timings") or {}).get("queue_ms") for r in part]
+        setattr(summary, name, {
+            "jobs": len(part), "ttft_ms": _ms(ttft_s(r) for r in part),
+            "queue_ms": Dist.of([q for q in queue if q is not None])})
+    cold, steady = summary.cold["ttft_ms"].p90, summary.steady["ttft_ms"].p90  # type: ignore[union-attr]
+    if cold is not None and steady:
+        summary.cold_ttft_p90_ratio = round(cold / steady, 3)
 
 
 STEADY_MIN_S = 2.0

@@ -49,6 +49,10 @@ def worker_time_line(name: str, t: dict[str, float], duration_s: float) -> str:
             f"writes, {t.get('events_written', 0):.0f} events")
 
 
+def _pair90(d: Dist) -> str:
+    return f"{_num(d.p50, '.0f')}/{_num(d.p90, '.0f')}"
+
+
 def run_details(s: RunSummary) -> str:
     """The lines under a run's row: what the table has no room for."""
     gen, stack = s.generator, ", ".join(f"{k} {v:.0%}" for k, v in s.stack_cpu_share.items())
@@ -80,6 +84,13 @@ def run_details(s: RunSummary) -> str:
                      f"delivered {'-' if steady is None else f'{steady:.0%}'} while full")
     if s.slo_goodput_jobs_s is not None:
         lines.append(f"  SLO goodput {s.slo_goodput_jobs_s:.2f} jobs/s")
+    if s.cold:
+        cold, steady = s.cold, s.steady
+        lines.append(f"  first {cold['jobs']} jobs: TTFT p50/p90 {_pair90(cold['ttft_ms'])} ms, "
+                     f"queue p90 {_num(cold['queue_ms'].p90, '.0f')} ms; the rest: TTFT "
+                     f"p50/p90 {_pair90(steady['ttft_ms'])} ms, queue p90 "
+                     f"{_num(steady['queue_ms'].p90, '.0f')} ms; cold/steady TTFT p90 "
+                     f"{_num(s.cold_ttft_p90_ratio, '.2f')}")
     lines += [worker_time_line(name, t, s.duration_s) for name, t in s.worker_time.items()]
     if s.json_outputs:
         lines.append(f"  {s.json_outputs['line']}")

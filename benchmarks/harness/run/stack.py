@@ -52,6 +52,8 @@ class StackConfig:
     startup_timeout_s: float
     extra_env: dict[str, str] = field(default_factory=dict)
     worker_args: tuple[str, ...] = ()  # more of the worker's command line (e.g. --lora N=P)
+    # The workers' (and the engine alone's) environment only: their settings and log level.
+    worker_extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def base_env(cfg: StackConfig, redis_url: str) -> dict[str, str]:
@@ -81,7 +83,7 @@ def worker_env(cfg: StackConfig, index: int, redis_url: str, metrics_port: int) 
         env["TIDEGATE_KV_CACHE_GB"] = str(cfg.kv_cache_gb)
     if cfg.torch_threads is not None:
         env["TIDEGATE_TORCH_THREADS"] = str(cfg.torch_threads)
-    return {**env, **cfg.extra_env}
+    return {**env, **cfg.extra_env, **cfg.worker_extra_env}
 
 
 # The worker's own accounting of its time (worker/service/metrics.py), read from its /metrics.
@@ -216,17 +218,18 @@ class Stack:
 
 
 def run_engine_alone(cfg: StackConfig, works: dict[str, tuple[Work, bool]], timeout_s: float,
-                     logdir: Path) -> dict[str, dict]:
+                     logdir: Path, roofline: dict[str, float] | None = None) -> dict[str, dict]:
     """The engine alone on each work (``tidegate.benchmarks.harness.engine_alone``; the flag: on its
     arrival schedule, else all at once) in one subprocess with worker 0's environment; it
-    has exited, its memory freed, when this returns. Results by the works' names."""
+    has exited, its memory freed, when this returns. Results by the works' names, and under
+    "roofline" the roofline of a mix of ``roofline``'s mean_input and mean_output."""
     spec, out = logdir / "engine_alone_spec.json", logdir / "engine_alone_out.json"
     spec.write_text(json.dumps({"timeout_s": timeout_s, "runs": {
         name: {"prompts": [list(p.token_ids) for p in work.prompts],
                "output_lens": work.output_lens,
                "offsets_s": work.offsets_s if on_schedule else None,
                "formats": list(work.formats) or None}
-        for name, (work, on_schedule) in works.items()}}))
+        for name, (work, on_schedule) in works.items()}, "roofline": roofline}))
     env = worker_env(cfg, 0, "redis://127.0.0.1:1/0", 0)  # it never touches Redis
     proc = spawn([sys.executable, "-m", "tidegate.benchmarks.harness.engine_alone", str(spec), str(out)],
                  env, logdir / "engine_alone.log")

@@ -366,3 +366,49 @@ def test_requests_held_for_a_prefill_are_counted_apart() -> None:
     assert (len(s.waiting), s.num_held) == (2, 2)  # both wait for a's blocks, not for room
     step(s)
     assert (len(s.waiting), s.num_held) == (0, 0)
+
+
+def test_step_budget_bounds_the_tokens_of_steps_that_decode() -> None:
+    """``step_budget`` is asked with the step's decode count; its answer caps the step."""
+    s = make(num_blocks=200, max_num_seqs=8, max_num_batched_tokens=64)
+    asked: list[int] = []
+
+    def budget(decodes: int) -> int:
+        asked.append(decodes)
+        return 64 if decodes == 0 else decodes + 10
+
+    s.step_budget = budget
+    s.add(seq("a", 6))
+    s.add(seq("b", 6))
+    assert shape(step(s)) == [("a", 0, 6), ("b", 0, 6)]  # nothing decodes: the whole budget
+    s.add(seq("c", 40, start=100))
+    # Two decodes and ten prompt tokens of c: c's prompt advances ten tokens a step.
+    assert shape(step(s)) == [("a", 6, 1), ("b", 6, 1), ("c", 0, 10)]
+    assert shape(step(s)) == [("a", 7, 1), ("b", 7, 1), ("c", 10, 10)]
+    assert asked == [0, 2, 2]
+
+
+def test_a_budget_above_the_engines_is_capped_by_it() -> None:
+    s = make(num_blocks=200, max_num_seqs=8, max_num_batched_tokens=16)
+    s.step_budget = lambda decodes: 1000
+    s.add(seq("a", 40))
+    assert shape(step(s)) == [("a", 0, 16)]
+
+
+def test_out_of_room_tells_a_token_budget_wait_from_a_memory_or_seat_wait() -> None:
+    """Waiting for the step's token budget is not being out of room: the worker keeps reading
+    jobs then. Waiting for KV blocks or for a seat is."""
+    s = make(num_blocks=100, block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
+    s.add(seq("a", 8))
+    s.add(seq("b", 8, start=50))
+    step(s)
+    assert len(s.waiting) == 1 and not s.out_of_room  # b waits for budget only
+    step(s)
+    s.add(seq("c", 4, start=90))
+    step(s)
+    assert [q.request_id for q in s.waiting] == ["c"] and s.out_of_room  # two seats, both taken
+    tight = make(num_blocks=3, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    tight.add(seq("x", 8))
+    tight.add(seq("y", 8, start=50))
+    step(tight)
+    assert [q.request_id for q in tight.waiting] == ["y"] and tight.out_of_room  # no blocks
