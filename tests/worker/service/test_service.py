@@ -12,8 +12,8 @@ import redis.asyncio as aioredis
 from tidegate import keys
 from tidegate.events.follow import follow
 from tidegate.jobstore import JOB_FIELD, enqueue, read_result
-from tidegate.protocol import JobRequest
-from tidegate.worker.engine.engine import Engine, EngineConfig
+from tidegate.protocol import JobRequest, SamplingParams
+from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 from tidegate.worker.service.service import WorkerService
 
@@ -159,3 +159,30 @@ async def test_a_job_the_api_rejected_while_it_waited_is_acked_unrun(
         await asyncio.wait_for(task, 10)
     events = await collect(aredis, job_id)
     assert [e["type"] for e in events] == ["queued", "rejected"]  # nothing after: never ran
+
+
+async def test_jobs_waiting_only_for_the_steps_budget_do_not_stop_the_intake(
+    aredis: aioredis.Redis, tiny: LoadedModel
+) -> None:
+    """A request the engine left for the next step's token budget starts a step later: the
+    worker still reads the lane, so a wave's later jobs wait in the engine, not in Redis as
+    well. Holding more prompt work than it computes in half a second, it reads nothing."""
+    engine = Engine(tiny.model, tiny.tokenizer,
+                    EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64))
+    service = WorkerService(aredis, engine, model="random_tiny", worker_id="w-budget")
+    await service.intake.ensure_groups()
+    vocab = tiny.tokenizer.vocab_size
+    for r in range(2):  # 64 prompt tokens each: the first fills the step's budget
+        engine.add_request(EngineRequest(f"r{r}", [(97 * r + 5 * i) % (vocab - 1) + 1
+                                                   for i in range(64)],
+                                         SamplingParams(max_tokens=4)))
+    engine.step()
+    assert (engine.num_waiting, engine.num_backlogged) == (1, 0)
+    job_id = await submit(aredis, prompt="hello", max_tokens=4)
+    await service.arrivals._once()
+    assert [a.job.id for a in service.arrivals.take()] == [job_id]
+
+    service.shedder.observe_step(100, 0, 1.0)  # prompts measured at 100 tokens/s: 0.64 s held
+    await submit(aredis, prompt="world", max_tokens=4)
+    await service.arrivals._once()
+    assert service.arrivals.take() == [] and await pending(aredis) == 1  # the first job only
