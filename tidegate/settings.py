@@ -77,12 +77,12 @@ class Settings(BaseSettings):
                                        "and decodes together)")
     # Stall-free batching (tidegate.worker.shedding.step_budget): prompt chunks sized from the
     # measured step costs so a step that decodes stays near this long.
-    max_step_ms: float | None = Field(
-        default=None, ge=0, le=10_000,
+    max_step_ms: float = Field(
+        default=0.0, ge=0, le=10_000,
         description="a step that decodes for running requests takes about this long at most: "
                     "prompt chunks beside the decodes are sized from the measured step costs to "
                     "fit (at least 512 tokens a step); set it to bound the time per output "
-                    "token under long prompts; unset or 0: off, every step takes up to "
+                    "token under long prompts; 0: off, every step takes up to "
                     "max_num_batched_tokens")
     block_size: int = Field(default=16, ge=1, le=256,
                             description="tokens per KV-cache block (paging and prefix-cache unit)")

@@ -46,10 +46,10 @@ def params_of(n: int, formats: list[dict[str, Any] | None] | None, i: int) -> Sa
 
 def run(engine: Engine, prompts: list[list[int]], output_lens: list[int],
         timeout_s: float, *, cuda: bool,
-        formats: list[dict[str, Any] | None] | None = None,
-        shedder: LoadShedder | None = None) -> dict[str, object]:
+        shedder: LoadShedder, formats: list[dict[str, Any] | None] | None = None
+        ) -> dict[str, object]:
     """All requests added at once, stepped to the end: throughput and per-request latencies.
-    ``shedder``: each step timed into it, as the worker times its steps (its step budget
+    Each step is timed into ``shedder``, as the worker times its steps (its step budget
     follows them)."""
     deadline = now_ms() + int(1000 * timeout_s)  # as the stack's jobs carry theirs
     params = [params_of(n, formats, i) for i, n in enumerate(output_lens)]  # formats compile
@@ -59,7 +59,7 @@ def run(engine: Engine, prompts: list[list[int]], output_lens: list[int],
     first: dict[str, float] = {}
     finished: dict[str, tuple[float, int, str, str | None]] = {}
     while engine.has_unfinished():
-        outputs = timed_step(engine, shedder) if shedder else engine.step()
+        outputs = timed_step(engine, shedder)
         now = time.perf_counter()
         for out in outputs:
             if out.token_id is not None:
@@ -92,8 +92,8 @@ def run(engine: Engine, prompts: list[list[int]], output_lens: list[int],
 
 def run_arrivals(engine: Engine, prompts: list[list[int]], output_lens: list[int],
                  offsets_s: list[float], timeout_s: float, *, cuda: bool,
-                 formats: list[dict[str, Any] | None] | None = None,
-                 shedder: LoadShedder | None = None) -> dict[str, object]:
+                 shedder: LoadShedder, formats: list[dict[str, Any] | None] | None = None
+                 ) -> dict[str, object]:
     """Each request added at its arrival offset; steps while any runs (``shedder``: as
     ``run``'s)."""
     order = sorted(range(len(prompts)), key=offsets_s.__getitem__)
@@ -116,7 +116,7 @@ def run_arrivals(engine: Engine, prompts: list[list[int]], output_lens: list[int
         if not engine.has_unfinished():
             time.sleep(max(0.0, t0 + offsets_s[order[nxt]] - time.perf_counter()))
             continue
-        outputs = timed_step(engine, shedder) if shedder else engine.step()
+        outputs = timed_step(engine, shedder)
         now = time.perf_counter()
         made = 0
         for out in outputs:
@@ -201,22 +201,7 @@ def roofline(engine: Engine, mean_input: float, mean_output: float, *, cuda: boo
     batch the mix fills the KV cache with (every seat when it fits), each context the mean
     prompt plus half the mean output. ``roofline_req_s``: requests/s if prompts ran at that
     rate and outputs at that step, nothing else counted."""
-    size, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
-    device = "cuda" if cuda else "cpu"
-    gen = torch.Generator(device=device).manual_seed(0)
-    a, b = (torch.randn(size, size, dtype=dtype, device=device, generator=gen) for _ in "ab")
-    for _ in range(3):
-        a @ b
-    reps = 10
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    if cuda:
-        torch.cuda.synchronize()
-    flop_s = 2 * size**3 * reps / (time.perf_counter() - t0)
-    del a, b
+    flop_s = _matmul_flop_s(cuda=cuda)
     model = engine.runner.model  # type: ignore[attr-defined]
     cfg = model.cfg
     # The layers' matrices run for every prompt token, the LM head for a prompt's last alone.
@@ -234,6 +219,22 @@ def roofline(engine: Engine, mean_input: float, mean_output: float, *, cuda: boo
             "decode_context": context, "decode_step_ms": round(1000 * step_s, 3),
             "mean_input": round(mean_input, 1), "mean_output": round(mean_output, 1),
             "roofline_req_s": round(1 / per_request_s, 2)}
+
+
+def _matmul_flop_s(*, cuda: bool) -> float:
+    """A bf16 8192^3 matrix product's rate on CUDA (the median of CUDA-event timings, as
+    ``gpu_throughput.py``'s ceilings), a float32 1024^3 one's on the CPU."""
+    if cuda:
+        from tidegate.benchmarks.engine.gpu_throughput import cuda_time_ms
+
+        a, b = (torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda") for _ in "ab")
+        return 2 * 8192**3 / (cuda_time_ms(lambda: a @ b, iters=10) / 1000)
+    a, b = (torch.randn(1024, 1024) for _ in "ab")
+    a @ b  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    return 2 * 1024**3 * 10 / (time.perf_counter() - t0)
 
 
 def _decode_step_s(engine: Engine, batch: int, context: int, *, cuda: bool) -> float:

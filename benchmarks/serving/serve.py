@@ -480,7 +480,8 @@ def headline(out: dict) -> dict:
     runs: list[RunSummary] = out["runs"]
     burst = next((s for s in runs if s.kind == "burst"), None)
     ratios = [s.cold_ttft_p90_ratio for s in runs if s.cold_ttft_p90_ratio is not None]
-    return {"device": out.get("machine", {}).get("gpu") or out.get("machine", {}).get("cpu_model"),
+    machine = out.get("machine", {})
+    return {"device": machine.get("gpu") or machine.get("cpu_model"),
             "date": out.get("date"), "git_commit": out.get("git_commit"),
             "command": out.get("command"),
             "slo": {k: v for k, v in (out.get("slo_sweep") or {}).items() if k != "rates"},

@@ -6,8 +6,9 @@ prompt never stalls them; the rest of the budget goes to prompt chunks (chunked 
 prompt is split across steps), first of running requests, then of waiting ones in order of lane
 (interactive first), priority, earliest deadline, arrival. ``step_budget`` (given the step's
 decode count, the tokens the step may carry) keeps a step that decodes short enough for its
-requests' time per token while prompts still advance (``StepBudget``). When the cache runs out of blocks, the running request that comes
-last in that order is preempted: its blocks are freed and it is recomputed later, never failed.
+requests' time per token while prompts still advance (``StepBudget``). When the cache runs out
+of blocks, the running request that comes last in that order is preempted: its blocks are freed
+and it is recomputed later, never failed.
 Requests with LoRA adapters run only while their adapters fit the device's slots: at most
 ``max_adapters`` distinct adapters among the running requests. A waiting request whose adapter
 does not fit lets requests of the base model pass, but not those of other adapters, so the

@@ -140,7 +140,7 @@ class ArrivalIntake:
     async def _once(self) -> None:
         engine = self.engine
         seats = engine.config.max_num_seqs - engine.num_active - len(self.arrivals)
-        if engine.num_backlogged or seats <= 0 or self._prefill_backlog_s() > PREFILL_HORIZON_S:
+        if seats <= 0 or engine.num_backlogged or self._prefill_backlog_s() > PREFILL_HORIZON_S:
             # Full: leave runnable jobs to other workers, but answer hopeless ones at once.
             await self._reject_hopeless_head()
             await self._next_boundary(PEEK_EVERY_S)

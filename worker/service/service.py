@@ -594,7 +594,7 @@ def engine_config(settings: Settings, max_model_len: int, max_loras: int) -> Eng
 def pace_steps(engine: Engine, shedder: LoadShedder, settings: Settings) -> None:
     """Bound each step's tokens by the time its decodes may take (``max_step_ms``), from the
     costs ``shedder`` measures; after calibration, which ran with the engine's whole budget."""
-    ms = settings.max_step_ms or 0.0
+    ms = settings.max_step_ms
     if ms > 0:
         engine.scheduler.step_budget = StepBudget(
             StepBudgetConfig(ms / 1000, engine.config.max_num_batched_tokens), shedder)
