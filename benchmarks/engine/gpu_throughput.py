@@ -34,7 +34,6 @@ import argparse
 import gc
 import json
 import random
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 from tidegate.benchmarks.harness.measure import record  # noqa: E402
+from tidegate.benchmarks.harness.measure.cuda_timing import cuda_time_ms  # noqa: E402
 from tidegate.kernels import ops  # noqa: E402
 from tidegate.kernels.gpu.paged_attention_triton import default_num_splits  # noqa: E402
 from tidegate.protocol import SamplingParams  # noqa: E402
@@ -63,22 +63,6 @@ INT_SECTIONS = {"int4_batch1": (4, 128, "batch1", "auto"),
 SECTIONS = ("ceilings", "kernels", "batch1", "kv_fp8_batch1", "profile1", "offline", "mixed",
             "hfset", "hf", *INT_SECTIONS)
 MODEL = "random:llama-3-8b"
-
-
-def cuda_time_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
-    """Median of ``iters`` timings with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 # ---------------------------------------------------------------- ceilings and kernels

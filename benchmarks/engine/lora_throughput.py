@@ -127,7 +127,7 @@ def run_batch(engine: Engine, label: str, prompt_ids: list[list[int]], out_len: 
 def device_times(engine: Engine, batch: int, adapters: list[str]) -> dict[str, float]:
     """One decode step's device time from its CUDA graph, without and with adapters (rows
     cycling through ``adapters``), at ``batch`` rows."""
-    from tidegate.benchmarks.engine.gpu_throughput import cuda_time_ms
+    from tidegate.benchmarks.harness.measure.cuda_timing import cuda_time_ms
 
     graphs = engine.runner.graphs
     assert graphs is not None and engine.lora is not None

@@ -268,7 +268,8 @@ def run_batch(engine: Engine, label: str, prompt_ids: list[list[int]], out_len: 
 def device_times(engine: Engine, model: Any, vocab: int, rows: int) -> dict[str, float]:
     """CUDA only: one full decode step's device time (its captured graph replayed, as
     ``gpu_throughput.decode_device_ms``) and the mask kernel's over ``rows`` masked rows."""
-    from tidegate.benchmarks.engine.gpu_throughput import cuda_time_ms, decode_device_ms
+    from tidegate.benchmarks.engine.gpu_throughput import decode_device_ms
+    from tidegate.benchmarks.harness.measure.cuda_timing import cuda_time_ms
     from tidegate.kernels import ops
 
     out: dict[str, float] = {}

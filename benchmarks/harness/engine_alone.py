@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tidegate.benchmarks.harness.measure.cuda_timing import cuda_time_ms
 from tidegate.benchmarks.harness.measure.metrics import Dist
 from tidegate.protocol import SamplingParams, now_ms
 from tidegate.settings import load_settings
@@ -223,10 +224,8 @@ def roofline(engine: Engine, mean_input: float, mean_output: float, *, cuda: boo
 
 def _matmul_flop_s(*, cuda: bool) -> float:
     """A bf16 8192^3 matrix product's rate on CUDA (the median of CUDA-event timings, as
-    ``gpu_throughput.py``'s ceilings), a float32 1024^3 one's on the CPU."""
+    ``benchmarks/engine/gpu_throughput.py``'s ceilings), a float32 1024^3 one's on the CPU."""
     if cuda:
-        from tidegate.benchmarks.engine.gpu_throughput import cuda_time_ms
-
         a, b = (torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda") for _ in "ab")
         return 2 * 8192**3 / (cuda_time_ms(lambda: a @ b, iters=10) / 1000)
     a, b = (torch.randn(1024, 1024) for _ in "ab")

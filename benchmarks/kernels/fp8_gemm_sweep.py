@@ -24,8 +24,8 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from tidegate.benchmarks.engine.gpu_throughput import cuda_time_ms  # noqa: E402
 from tidegate.benchmarks.harness.measure import record  # noqa: E402
+from tidegate.benchmarks.harness.measure.cuda_timing import cuda_time_ms  # noqa: E402
 from tidegate.kernels.gpu.fp8_linear_triton import (  # noqa: E402
     Fp8GemmConfig,
     default_config,
