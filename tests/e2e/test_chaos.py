@@ -23,7 +23,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 async def test_every_job_survives_worker_redis_and_gateway_kills_exactly(tmp_path: Path) -> None:
     # Three workers, so that a kill need not wait for the last one's replacement to load.
-    plan = ChaosPlan(duration_s=20, worker_kills=4, redis_restarts=2, gateway_restarts=1,
+    # Seven actions in 12 s, one every 1.5-3 s, each while jobs run: jobs are submitted until
+    # the plan is done and the calm reference reruns every one, so a longer plan only costs
+    # twice as many jobs of CPU (20 s: 136 jobs, 72 CPU-s; 12 s: 52 CPU-s).
+    plan = ChaosPlan(duration_s=12, worker_kills=4, redis_restarts=2, gateway_restarts=1,
                      outage_s=(0.5, 1.5), seed=1)
     # A visibility timeout of 4 s: an outage (up to 1.5 s) can outlast a live worker's refresh,
     # so a live worker's job can be taken over too; the write fence makes the first drop it
