@@ -85,6 +85,7 @@ from tidegate.benchmarks.harness.run.processes import (  # noqa: E402
     stop_processes,
 )
 from tidegate.benchmarks.harness.run.redis_server import redis_answers, redis_argv  # noqa: E402
+from tidegate.benchmarks.harness.run.stack import worker_counters as stack_counters  # noqa: E402
 
 TIDEGATE = [sys.executable, "-m", "tidegate"]
 MODEL = "random:tiny"
@@ -161,27 +162,8 @@ WORKER_COUNTERS = ("tidegate_events_written", "tidegate_event_writes",
 
 
 def worker_counters(port: int) -> dict[str, float]:
-    """A worker's counters (summed over their labels: every sample carries ``model``), empty
-    if its status port does not answer."""
-    import urllib.error
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
-            text = answer.read().decode()
-    except (urllib.error.URLError, OSError):
-        return {}
-    found: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        name = family.name.removesuffix("_total")
-        if name in WORKER_COUNTERS:
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    key = name.removeprefix("tidegate_")
-                    found[key] = found.get(key, 0.0) + sample.value
-    return found
+    """A worker's counters, summed over their labels; empty if its status port does not answer."""
+    return stack_counters(port, WORKER_COUNTERS)
 
 
 # ============================================================================ the fleet

@@ -22,7 +22,7 @@ import json
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -184,8 +184,11 @@ def main(spec_path: str, out_path: str) -> None:
                                   "engine_config": dict(asdict(engine.config).items())}
     if spec.get("roofline"):
         shape = spec["roofline"]
-        results["roofline"] = roofline(engine, shape["mean_input"], shape["mean_output"],
-                                       cuda=cuda)
+        try:
+            results["roofline"] = roofline(engine, shape["mean_input"], shape["mean_output"],
+                                           cuda=cuda)
+        except RuntimeError as exc:  # reported, not the end of the runs measured already
+            results["roofline"] = {"error": str(exc)}
         print(f"engine alone, roofline: {results['roofline']}", flush=True)
     Path(out_path).write_text(json.dumps(results))
 
@@ -198,10 +201,9 @@ def roofline(engine: Engine, mean_input: float, mean_output: float, *, cuda: boo
     """What bounds a mix on this device, measured here: a large matrix product's rate (bf16
     8192^3 on CUDA, float32 1024^3 on the CPU), the model's FLOPs per prompt token (2 x the
     layers' matrix weights, attention over half the mean prompt, the LM head once a prompt),
-    and the decode step at the
-    batch the mix fills the KV cache with (every seat when it fits), each context the mean
-    prompt plus half the mean output. ``roofline_req_s``: requests/s if prompts ran at that
-    rate and outputs at that step, nothing else counted."""
+    and the decode rate (tokens/s) at the batch the mix fills the KV cache with, each context
+    the mean prompt plus half the mean output. ``roofline_req_s``: requests/s if prompts ran
+    at that matrix rate and outputs at that decode rate, nothing else counted."""
     flop_s = _matmul_flop_s(cuda=cuda)
     model = engine.runner.model  # type: ignore[attr-defined]
     cfg = model.cfg
@@ -211,13 +213,12 @@ def roofline(engine: Engine, mean_input: float, mean_output: float, *, cuda: boo
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * mean_input / 2
     flops_per_token = 2 * layers + attention + 2 * head / mean_input
     context = int(mean_input + mean_output / 2)
-    batch = max(1, min(engine.config.max_num_seqs,
-                       engine.kv_spec.num_tokens // (context + ROOFLINE_DECODE_STEPS + 16)))
-    step_s = _decode_step_s(engine, batch, context, cuda=cuda)
-    per_request_s = mean_input * flops_per_token / flop_s + mean_output * step_s / batch
+    decode = _decode_rate(engine, context, cuda=cuda)
+    per_request_s = (mean_input * flops_per_token / flop_s
+                     + mean_output / decode["decode_tok_s"])
     return {"matmul_tflop_s": round(flop_s / 1e12, 2),
-            "flops_per_prompt_token": round(flops_per_token), "decode_batch": batch,
-            "decode_context": context, "decode_step_ms": round(1000 * step_s, 3),
+            "flops_per_prompt_token": round(flops_per_token), **decode,
+            "decode_context": context,
             "mean_input": round(mean_input, 1), "mean_output": round(mean_output, 1),
             "roofline_req_s": round(1 / per_request_s, 2)}
 
@@ -236,11 +237,22 @@ def _matmul_flop_s(*, cuda: bool) -> float:
     return 2 * 1024**3 * 10 / (time.perf_counter() - t0)
 
 
-def _decode_step_s(engine: Engine, batch: int, context: int, *, cuda: bool) -> float:
-    """The median step of ``batch`` requests decoding at ``context`` tokens (prompts computed
-    first, unmeasured); the requests are aborted after."""
+def _decode_rate(engine: Engine, context: int, *, cuda: bool) -> dict[str, float]:
+    """Decode alone at the batch that fills the KV cache (every seat when it fits), each
+    request ``context`` tokens in: ``ROOFLINE_DECODE_STEPS`` steps timed together, their
+    tokens counted (a step that had nothing to compute, or one that ran prompt tokens, would
+    mislead a per-step timing). Prompts are computed first, unmeasured; the requests are given
+    tokens enough to outlast the timing (the first decode while the last are prefilled), and
+    aborted after."""
+    cfg = engine.config
+    steps = ROOFLINE_DECODE_STEPS + 2
+    batch = cfg.max_num_seqs
+    for _ in range(2):  # the prefill's length depends on the batch, the batch on the reserve
+        max_tokens = steps + 8 + -(-batch * context // cfg.max_num_batched_tokens)
+        batch = max(1, min(cfg.max_num_seqs,
+                           engine.kv_spec.num_tokens // (context + max_tokens + 16)))
     vocab = engine.tokenizer.vocab_size
-    params = SamplingParams(max_tokens=ROOFLINE_DECODE_STEPS + 8, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     ids = [f"roofline-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         engine.add_request(EngineRequest(
@@ -250,18 +262,32 @@ def _decode_step_s(engine: Engine, batch: int, context: int, *, cuda: bool) -> f
         engine.step()
     for _ in range(2):
         engine.step()
-    times = []
+    before = replace(engine.stats)
+    state = (f"{engine.num_running} running, {engine.num_waiting} waiting, "
+             f"{engine.pending_prefill_tokens} prompt tokens left")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    decoded = 0  # the tokens the steps gave back, as a worker counts them
     for _ in range(ROOFLINE_DECODE_STEPS):
-        t0 = time.perf_counter()
-        engine.step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        decoded += sum(out.token_id is not None for out in engine.step())
+    sync()
+    wall = time.perf_counter() - t0
+    stats = engine.stats
+    ran = stats.steps - before.steps
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    return sorted(times)[len(times) // 2]
+    if not decoded:
+        raise RuntimeError(f"roofline: {ROOFLINE_DECODE_STEPS} steps gave no token (batch "
+                           f"{batch} of {context} tokens; before them {state}; the engine "
+                           f"counted {ran} steps, {stats.decode_tokens - before.decode_tokens} "
+                           f"decodes)")
+    return {"decode_batch": round(decoded / max(ran, 1), 1), "decode_steps": ran,
+            "decode_step_ms": round(1000 * wall / max(ran, 1), 3),
+            "decode_tok_s": round(decoded / wall, 1),
+            "decode_prompt_tokens": stats.prompt_tokens_computed - before.prompt_tokens_computed}
 
 
 def warm_grammars(engine: Engine, formats: list[dict[str, Any]]) -> None:

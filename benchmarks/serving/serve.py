@@ -481,16 +481,17 @@ def headline(out: dict) -> dict:
     burst = next((s for s in runs if s.kind == "burst"), None)
     ratios = [s.cold_ttft_p90_ratio for s in runs if s.cold_ttft_p90_ratio is not None]
     machine = out.get("machine", {})
-    return {"device": machine.get("gpu") or machine.get("cpu_model"),
+    on_gpu = str(out.get("config", {}).get("device", "")).startswith("cuda")
+    roof = (out.get("roofline") or {}).get("roofline_req_s")
+    return {"device": (machine.get("gpu") if on_gpu else None) or machine.get("cpu_model"),
             "date": out.get("date"), "git_commit": out.get("git_commit"),
             "command": out.get("command"),
             "slo": {k: v for k, v in (out.get("slo_sweep") or {}).items() if k != "rates"},
             "slo_rate_req_s": (out.get("slo_sweep") or {}).get("slo_rate_req_s"),
             "burst_req_s": burst.request_throughput if burst else None,
-            "roofline_req_s": (out.get("roofline") or {}).get("roofline_req_s"),
+            "roofline_req_s": roof,
             "burst_share_of_roofline": (
-                round(burst.request_throughput / out["roofline"]["roofline_req_s"], 3)
-                if burst and out.get("roofline") else None),
+                round(burst.request_throughput / roof, 3) if burst and roof else None),
             "cold_wave_ttft_p90_ratio": max(ratios) if ratios else None,
             "roofline": out.get("roofline")}
 
@@ -550,18 +551,27 @@ def main(argv: list[str] | None = None) -> int:
     except (StackError, RuntimeError) as exc:
         print(f"serve.py: {exc}\nlogs in {logdir}", file=sys.stderr)
         return 1
+    # The measurements are done: a stop now (a session's time limit) would lose every figure
+    # in the middle of writing them, so it waits; the summary is printed first.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     runs: list[RunSummary] = out["runs"]
     out["exact"] = all(s.exact for s in runs) and out["capacity"].get("follow", {}).get(
         "exact", True)
-    report.write_json(Path(args.out), out)
-    if args.goodput_out:
-        report.write_json(Path(args.goodput_out), headline(out))
     print()
     if out["capacity"]:
         print(report.capacity_lines(out["capacity"]))
     if runs:
         print(report.table(runs))
         print("\n".join(report.run_details(s) for s in runs))
+    if out.get("roofline") or out.get("slo_sweep"):
+        top = headline(out)
+        print("headline: " + ", ".join(f"{k} {top[k]}" for k in (
+            "slo_rate_req_s", "burst_req_s", "roofline_req_s", "burst_share_of_roofline",
+            "cold_wave_ttft_p90_ratio")))
+    sys.stdout.flush()
+    report.write_json(Path(args.out), out)
+    if args.goodput_out:
+        report.write_json(Path(args.goodput_out), headline(out))
     if args.plot:
         print(report.plot(runs, Path(args.plot)))
     print(f"results: {args.out}")

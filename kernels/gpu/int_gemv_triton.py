@@ -195,7 +195,7 @@ def _row_x(x_row, perm_ptr, norm_ptr, K, BLOCK_K: tl.constexpr, PERM: tl.constex
     return words, xs, xsum, tl.sum(sq, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # rows vary by step: not a compile key
 def _gemv_kernel(
     x_ptr, perm_ptr, norm_ptr, q_ptr, s_ptr, z_ptr, add_ptr, out_ptr,
     M, N, K,

@@ -184,7 +184,7 @@ def _row_sums(acc, s, ONE_GROUP: tl.constexpr):
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # rows vary by step: not a compile key
 def _few_rows_kernel(
     x_ptr, perm_ptr, norm_ptr, q_ptr, s_ptr, z_ptr, add_ptr, out_ptr,
     M, N, K, G,
@@ -303,7 +303,7 @@ def _dot_tile(acc, a, a_hi, q_ptr, s_ptr, z_ptr, rows, mask_n, k0, kb, G, byte, 
     return tl.dot(a_hi, tl.trans(w), acc, input_precision=PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # rows vary by step: not a compile key
 def _dot_kernel(
     x_ptr, perm_ptr, norm_ptr, q_ptr, s_ptr, z_ptr, add_ptr, out_ptr,
     M, N, K, G,

@@ -83,7 +83,7 @@ def _tile_tokens(tile, slots_ptr, tokens, BLOCK_M: tl.constexpr):
     return valid, tl.where(valid, row, 0).to(tl.int64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])  # rows vary by step: not a compile key
 def _shrink_kernel(x_ptr, gain_ptr, a_ptr, slots_ptr, block_adapter_ptr, h_ptr, ss_ptr,
                    tokens, k_dim, width, num_adapters, k_per_split,
                    stride_xt, stride_ae, stride_ar, stride_hs, stride_ht, stride_ss,
@@ -139,7 +139,7 @@ def _segment_h(h_ptr, token, valid, segment, rank, stride_hs, stride_ht,
     return h
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])  # rows vary by step: not a compile key
 def _expand_kernel(h_ptr, ss_ptr, b_ptr, scale_ptr, slots_ptr, block_adapter_ptr, y_ptr,
                    tokens, n_dim, k_dim, rank, num_adapters, start1, start2, eps,
                    stride_hs, stride_ht, stride_ss, stride_be, stride_bn, stride_yt,

@@ -85,7 +85,7 @@ def _tile_rows(tile, slots_ptr, num_pairs, BLOCK_M: tl.constexpr, DIRECT: tl.con
     return pair, valid, rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # rows vary by step: not a compile key
 def _gate_up_kernel(
     x_ptr, w_ptr, slots_ptr, block_expert_ptr, out_ptr,
     num_pairs, hidden, inter, num_experts,
@@ -127,7 +127,7 @@ def _gate_up_kernel(
              mask=valid[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # rows vary by step: not a compile key
 def _down_kernel(
     h_ptr, w_ptr, slots_ptr, block_expert_ptr, weights_ptr, out_ptr,
     num_pairs, hidden, inter, num_experts,

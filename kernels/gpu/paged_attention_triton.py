@@ -120,16 +120,21 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-# ``stride_tb`` is the block table's width, which moves with the step's longest context: left
-# unspecialized, or each width crossing a multiple of 16 would compile the kernel anew mid-run.
-@triton.jit(do_not_specialize=["stride_tb"])
+# What moves from step to step is a runtime argument Triton does not specialize on, or the
+# first step with a new value would compile the kernel anew mid-run (a second's stall at the
+# start of a wave, every waiting job behind it): ``stride_tb``, the block table's width (the
+# step's longest context), and ``num_splits``, which follows the step's batch and context (a
+# constant, it compiled once per value: up to MAX_SPLITS times). Only whether there are
+# several splits is a constant (SPLIT: the output written directly, or partials).
+@triton.jit(do_not_specialize=["stride_tb", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, window, softcap,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
+    num_splits,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP16: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP16: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One (sequence, kv head, split): the G query heads of the kv head over the split's share
@@ -147,7 +152,7 @@ def _decode_split_kernel(
     if WINDOW:
         first = tl.maximum(seq_len - window, 0)
     tile0 = first // BLOCK_N
-    tiles_per_split = tl.cdiv(num_tiles - tile0, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles - tile0, num_splits)
     lo = (tile0 + split * tiles_per_split) * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
     head_hi = tl.minimum(tl.maximum((first + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)
@@ -186,30 +191,30 @@ def _decode_split_kernel(
     # batch) has l = 0: it writes zeros and lse = -inf, which the combine weighs at 0.
     has_keys = l_i > 0.0
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        part = (seq * NUM_Q_HEADS + heads) * NUM_SPLITS + split
+        part = (seq * NUM_Q_HEADS + heads) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
                  mask=row_ok[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_combine_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
-    """One (sequence, query head): the splits' partials weighed by their share of the softmax."""
+    """One (sequence, query head): the splits' partials weighed by their share of the softmax
+    (``num_splits`` <= SPLITS_PAD of them)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM)
-    split_ok = splits < NUM_SPLITS
-    base = (seq * NUM_Q_HEADS + head) * NUM_SPLITS
+    split_ok = splits < num_splits
+    base = (seq * NUM_Q_HEADS + head) * num_splits
     lse = tl.load(part_lse_ptr + base + splits, mask=split_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: output 0, not NaN
@@ -350,18 +355,18 @@ def paged_decode_attention_triton(
         q, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * LOG2_E, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), *key_cache.stride()[:3], block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), num_splits,
         NUM_Q_HEADS=hq, GROUP=group, GROUP_PAD=max(MIN_DOT_DIM, triton.next_power_of_2(group)),
         HEAD_DIM=d, PAGE_SIZE=key_cache.shape[1], BLOCK_N=DECODE_BLOCK_N,
-        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
+        SPLIT=num_splits > 1, DOT_PRECISION=_dot_precision(q.dtype),
         DOT_FP16=_dots_in_fp16(q, key_cache), WINDOW=window is not None,
         SOFTCAP=softcap is not None, num_warps=4,
     )
     if num_splits > 1:
         _decode_combine_kernel[(b, hq)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=hq, HEAD_DIM=d, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
+            NUM_Q_HEADS=hq, HEAD_DIM=d,
+            SPLITS_PAD=triton.next_power_of_2(max(num_splits, MAX_SPLITS)), num_warps=4,
         )
     return out
 

@@ -111,10 +111,16 @@ def test_a_chat_mix_sweeps_rates_against_the_slo_and_reports_its_cold_start(
     sweep = result["slo_sweep"]
     assert [row["met"] for row in sweep["rates"]] == [True, True]
     assert sweep["slo_rate_req_s"] == 40.0
+    for r in result["runs"]:  # the worker's own time counters, read from its /metrics
+        assert r["worker_time"]["worker0"]["engine_step_seconds"] > 0, r["worker_time"]
     roof = result["roofline"]
     assert roof["matmul_tflop_s"] > 0 and roof["decode_step_ms"] > 0
     assert roof["flops_per_prompt_token"] > 0 and roof["roofline_req_s"] > 0
+    # Decode alone was timed: every timed step decoded the whole batch, no prompt among them.
+    assert roof["decode_tok_s"] > 0 and roof["decode_prompt_tokens"] == 0
+    assert roof["decode_batch"] >= 1 and roof["decode_steps"] > 0
     figures = json.loads(headline.read_text())
+    assert figures["device"] == result["machine"]["cpu_model"]  # a CPU run names its CPU
     assert figures["slo_rate_req_s"] == 40.0
     assert figures["burst_req_s"] == burst["request_throughput"] > 0
     assert figures["roofline_req_s"] == roof["roofline_req_s"]

@@ -506,9 +506,12 @@ class Engine:
 
     @property
     def pending_prefill_tokens(self) -> int:
-        """Prompt (or recompute) tokens admitted but not yet run through the model."""
+        """Prompt (or recompute) tokens admitted but not yet run through the model. A decoding
+        request has one token to compute, its last; scheduling ahead, also the pending one
+        whose id is not read yet: neither is prompt work (counting them, every decode looked
+        like a two-token prompt to the intake, the shedder and the speculation governor)."""
         seqs = [*self.scheduler.running, *self.scheduler.waiting]
-        return sum(s.num_uncomputed for s in seqs if s.num_uncomputed > 1)
+        return sum(left for s in seqs if (left := s.num_known - s.num_computed) > 1)
 
     def tokens_left(self) -> dict[str, int]:
         """Each request's remaining output budget (max_tokens minus what it generated, tokens

@@ -52,6 +52,7 @@ from redis.exceptions import RedisError
 
 from tidegate import keys
 from tidegate.cancelling import cancel_and_wait
+from tidegate.kernels.gpu.kernel_compiles import Compile, kernel_compiles
 from tidegate.model_files.model_source import ModelLoadError, resolve_model
 from tidegate.model_files.served_model import ServedModel, served_models
 from tidegate.model_files.tokenizer import load_tokenizer
@@ -643,6 +644,9 @@ async def serve(settings: Settings) -> int:
     base_id = new_worker_id()
     metrics = ProcessMetrics()
     services: list[WorkerService] = []
+    # On a GPU the warm-up compiles the Triton kernels; a later compile stalls a step. (A CPU
+    # worker does not import Triton for this.)
+    compiles = kernel_compiles() if settings.device.startswith("cuda") else None
     try:
         for model in models:
             # One model: the process's id; several: each its own, named after its model.
@@ -650,6 +654,9 @@ async def serve(settings: Settings) -> int:
             service = await _model_service(settings, model, redis, worker_id, status)
             metrics.add(model.name, service.metrics.registry)
             services.append(service)
+        if compiles is not None:
+            compiles.warmed_up()
+            compiles.on_late = _late_compile
         if status is not None:
             status.registry = metrics.registry
             status.model_loaded = True
@@ -668,6 +675,12 @@ async def serve(settings: Settings) -> int:
         await redis.aclose()
         if status is not None:
             status.stop()
+
+
+def _late_compile(done: Compile) -> None:
+    log.warning("a Triton kernel compiled mid-run: %s in %.2f s, a stall of its step and of "
+                "every job waiting behind it (a shape the warm-up did not cover)",
+                done.kernel, done.seconds)
 
 
 async def _model_service(settings: Settings, model: ServedModel, redis: aioredis.Redis,

@@ -7,6 +7,7 @@ import contextlib
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -53,12 +54,19 @@ def usable_cpus() -> int:
 
 
 def gpu_name() -> str | None:
-    """The first CUDA device's name, asked only if the benchmark has imported torch already
-    (a CPU benchmark pays no torch import for its record)."""
+    """The first CUDA device's name: from torch if the benchmark has imported it already (a CPU
+    benchmark pays no torch import for its record), else from ``nvidia-smi`` where there is
+    one (a stack's parent process, whose workers hold the GPU)."""
     torch = sys.modules.get("torch")
     with contextlib.suppress(Exception):
         if torch is not None and torch.cuda.is_available():
             return torch.cuda.get_device_name()
+    if torch is None and shutil.which("nvidia-smi"):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30)
+            return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout \
+                else None
     return None
 
 

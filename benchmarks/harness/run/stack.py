@@ -87,26 +87,29 @@ def worker_env(cfg: StackConfig, index: int, redis_url: str, metrics_port: int) 
 
 
 # The worker's own accounting of its time (worker/service/metrics.py), read from its /metrics.
-WORKER_TIME_METRICS = ("tidegate_engine_step_seconds_total",
-                       "tidegate_engine_host_cpu_seconds_total",
-                       "tidegate_publisher_cpu_seconds_total",
-                       "tidegate_worker_loop_cpu_seconds_total",
-                       "tidegate_event_writes_total", "tidegate_events_written_total",
-                       "tidegate_generation_tokens_total")
+WORKER_TIME_METRICS = ("tidegate_engine_step_seconds", "tidegate_engine_host_cpu_seconds",
+                       "tidegate_publisher_cpu_seconds", "tidegate_worker_loop_cpu_seconds",
+                       "tidegate_event_writes", "tidegate_events_written",
+                       "tidegate_generation_tokens")
 
 
-def worker_counters(port: int) -> dict[str, float]:
-    """The worker's time counters now (empty if its status port does not answer)."""
+def worker_counters(port: int, names: tuple[str, ...] = WORKER_TIME_METRICS
+                    ) -> dict[str, float]:
+    """A worker's counters ``names`` now, each summed over its labels (every sample carries
+    ``model``) and keyed without ``tidegate_``; empty if its status port does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
             text = answer.read().decode()
     except (urllib.error.URLError, OSError):
         return {}
-    found = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in WORKER_TIME_METRICS:
-            found[name.removeprefix("tidegate_").removesuffix("_total")] = float(value)
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name.removesuffix("_total")
+        if name in names:
+            key = name.removeprefix("tidegate_")
+            found[key] = sum(s.value for s in family.samples if s.name.endswith("_total"))
     return found
 
 

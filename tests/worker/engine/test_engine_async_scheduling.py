@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 
 import pytest
+import torch
 
 from tests.worker.engine.test_engine import chat_ids, smollm2  # noqa: F401 - fixture
 from tidegate.protocol import SamplingParams
@@ -18,7 +19,7 @@ from tidegate.worker.engine.grammar_masks import TokenMask
 from tidegate.worker.engine.model_runner import ModelRunner, StepLogits
 from tidegate.worker.engine.sampler import SamplerLaunch
 from tidegate.worker.engine.scheduler import SchedulerOutput
-from tidegate.worker.models.loaders.loader import LoadedModel
+from tidegate.worker.models.loaders.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 
@@ -203,3 +204,26 @@ def test_a_pending_input_without_the_step_that_samples_it_is_refused(
 def test_async_scheduling_needs_async_output() -> None:
     with pytest.raises(ValueError, match="async_output"):
         EngineConfig(max_model_len=64, async_output=False, async_scheduling=True)
+
+
+def test_decoding_requests_hold_no_prompt_work_while_steps_run_ahead() -> None:
+    """``pending_prefill_tokens`` (what the intake, the shedder and the speculation governor
+    read) counts prompts only: a request decoding ahead of its unread token holds none."""
+    tiny = load_model("random:tiny", device="cpu", dtype=torch.float32, seed=0)
+    engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(
+        max_model_len=256, max_num_batched_tokens=64, async_output=True,
+        async_scheduling=True))
+    for i in range(4):
+        engine.add_request(EngineRequest(f"r{i}", [5 + i] * 40, SamplingParams(
+            max_tokens=30, ignore_eos=True)))
+    assert engine.pending_prefill_tokens == 160
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        seen.append(engine.pending_prefill_tokens)
+    # Steps of 64 tokens take the 160 prompt tokens in (each counted once its step is read);
+    # from then on the four requests only decode, a token pending each, and hold none.
+    first_zero = seen.index(0)
+    assert seen[:first_zero] == sorted(seen[:first_zero], reverse=True), seen
+    assert first_zero <= 4 and set(seen[first_zero:]) == {0} and len(seen) > 20, seen
+    assert engine.stats.scheduled_ahead > 0  # the steps did run ahead
