@@ -85,7 +85,7 @@ from tidegate.benchmarks.harness.run.processes import (  # noqa: E402
     stop_processes,
 )
 from tidegate.benchmarks.harness.run.redis_server import redis_answers, redis_argv  # noqa: E402
-from tidegate.benchmarks.harness.run.stack import worker_counters as stack_counters  # noqa: E402
+from tidegate.benchmarks.harness.run.stack import worker_counters  # noqa: E402
 
 TIDEGATE = [sys.executable, "-m", "tidegate"]
 MODEL = "random:tiny"
@@ -159,11 +159,6 @@ def cluster_ports(count: int) -> list[int]:
 WORKER_COUNTERS = ("tidegate_events_written", "tidegate_event_writes",
                    "tidegate_generation_tokens", "tidegate_engine_step_seconds",
                    "tidegate_publisher_cpu_seconds")
-
-
-def worker_counters(port: int) -> dict[str, float]:
-    """A worker's counters, summed over their labels; empty if its status port does not answer."""
-    return stack_counters(port, WORKER_COUNTERS)
 
 
 # ============================================================================ the fleet
@@ -469,7 +464,7 @@ class Fleet:
 
     def worker_counters(self) -> dict[str, dict[str, float]]:
         with concurrent.futures.ThreadPoolExecutor(max(1, len(self.worker_ports))) as pool:
-            futures = {name: pool.submit(worker_counters, port)
+            futures = {name: pool.submit(worker_counters, port, WORKER_COUNTERS)
                        for name, port in self.worker_ports.items()}
             return {name: f.result() for name, f in futures.items()}
 

@@ -563,15 +563,15 @@ def main(argv: list[str] | None = None) -> int:
     if runs:
         print(report.table(runs))
         print("\n".join(report.run_details(s) for s in runs))
+    top = headline(out)
     if out.get("roofline") or out.get("slo_sweep"):
-        top = headline(out)
         print("headline: " + ", ".join(f"{k} {top[k]}" for k in (
             "slo_rate_req_s", "burst_req_s", "roofline_req_s", "burst_share_of_roofline",
             "cold_wave_ttft_p90_ratio")))
     sys.stdout.flush()
     report.write_json(Path(args.out), out)
     if args.goodput_out:
-        report.write_json(Path(args.goodput_out), headline(out))
+        report.write_json(Path(args.goodput_out), top)
     if args.plot:
         print(report.plot(runs, Path(args.plot)))
     print(f"results: {args.out}")

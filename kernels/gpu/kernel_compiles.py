@@ -36,7 +36,6 @@ class KernelCompiles:
     def __init__(self) -> None:
         self.count = 0
         self.late = 0  # after warmed_up()
-        self.seconds = 0.0
         self.recent: deque[Compile] = deque(maxlen=KEPT)
         self.on_late: Callable[[Compile], None] | None = None
         self._warm = False
@@ -57,7 +56,6 @@ class KernelCompiles:
             done = Compile(kernel, seconds, self._warm)
             self.count += 1
             self.late += self._warm
-            self.seconds += seconds
             self.recent.append(done)
         if done.after_warmup and self.on_late is not None:
             self.on_late(done)

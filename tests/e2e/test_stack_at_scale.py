@@ -174,13 +174,14 @@ async def test_a_thousand_jobs_with_cancellations_and_late_watchers_are_exact(
                 live[body["id"]] = await read_stream(f"{body['stream_url']}?token="
                                                      f"{body['stream_token']}")
 
-        async def wait_status(job_ids: list[str], wanted: tuple[str, ...]) -> list[dict]:
+        async def wait_status(job_ids: list[str], wanted: tuple[str, ...],
+                              timeout_s: float = 120) -> list[dict]:
             async def one(job_id: str) -> dict:
                 while (r := (await call("GET", f"/v1/jobs/{job_id}"))[0].json())[
                         "status"] not in wanted:
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.2)
                 return r
-            return await asyncio.wait_for(asyncio.gather(*map(one, job_ids)), 120)
+            return await asyncio.wait_for(asyncio.gather(*map(one, job_ids)), timeout_s)
 
         # Cancels reach queued jobs for certain, whatever the machine's speed: every seat (two
         # workers, 16 each) taken by a long job first, a full worker reads no job until a seat
@@ -211,14 +212,7 @@ async def test_a_thousand_jobs_with_cancellations_and_late_watchers_are_exact(
         await asyncio.wait_for(asyncio.gather(*(bounded(i) for i in range(JOBS))), 180)
         assert len(accepted) == JOBS
 
-        async def finished(job_id: str) -> dict:
-            while (r := (await call("GET", f"/v1/jobs/{job_id}"))[0].json())["status"] not in (
-                    "done", "error", "rejected"):
-                await asyncio.sleep(0.2)
-            return r
-
-        results = await asyncio.wait_for(
-            asyncio.gather(*(finished(job_id) for job_id in accepted)), 180)
+        results = await wait_status(list(accepted), ("done", "error", "rejected"), 180)
         stored = dict(zip(accepted, results, strict=True))
 
         late_sem = asyncio.Semaphore(100)

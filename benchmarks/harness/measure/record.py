@@ -65,8 +65,9 @@ def gpu_name() -> str | None:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                                  capture_output=True, text=True, timeout=30)
-            return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout \
-                else None
+            names = out.stdout.splitlines() if out.returncode == 0 else []
+            if names:
+                return names[0].strip()
     return None
 
 
