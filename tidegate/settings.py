@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import Field, field_validator
@@ -11,6 +12,32 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from tidegate.protocol import MAX_TOKENS_LIMIT
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    """A worker's seats and its step's token budget."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+# Unset batch limits follow the device. On the CPU every step runs on the host's cores: few
+# seats, small steps. On a GPU decode reads the weights once for the whole batch, so seats are
+# nearly free until the KV cache is full (the scheduler admits what fits), and a step of 8192
+# tokens already runs the matrices at the tensor cores' rate while it delays running decodes
+# half as long as 16,384 would (benchmarks/results/serving/mixed_load.md).
+CPU_BATCH = BatchLimits(max_num_seqs=32, max_num_batched_tokens=512)
+CUDA_BATCH = BatchLimits(max_num_seqs=1024, max_num_batched_tokens=8192)
+
+
+def batch_limits(device: str, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None) -> BatchLimits:
+    """The limits given, the device's defaults for the others; the step's budget raised to at
+    least the seats, so every running request can decode in a step."""
+    default = CUDA_BATCH if device.startswith("cuda") else CPU_BATCH
+    seqs = max_num_seqs or default.max_num_seqs
+    return BatchLimits(seqs, max(max_num_batched_tokens or default.max_num_batched_tokens, seqs))
 
 
 class Settings(BaseSettings):
@@ -71,10 +98,15 @@ class Settings(BaseSettings):
         default=None, ge=1,
         description="speculate at batch sizes up to this; unset: wherever it measures faster "
                     "than plain decoding")
-    max_num_seqs: int = Field(default=32, ge=1, description="requests batched at once")
-    max_num_batched_tokens: int = Field(
-        default=512, ge=1, description="tokens one engine step computes at most (prompt chunks "
-                                       "and decodes together)")
+    max_num_seqs: int | None = Field(
+        default=None, ge=1,
+        description=f"requests batched at once; unset: {CPU_BATCH.max_num_seqs} on CPU, "
+                    f"{CUDA_BATCH.max_num_seqs} on CUDA")
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1,
+        description=f"tokens one engine step computes at most (prompt chunks and decodes "
+                    f"together); unset: {CPU_BATCH.max_num_batched_tokens} on CPU, "
+                    f"{CUDA_BATCH.max_num_batched_tokens} on CUDA")
     # Stall-free batching (tidegate.worker.shedding.step_budget): prompt chunks sized from the
     # measured step costs so a step that decodes stays near this long.
     max_step_ms: float = Field(
@@ -239,6 +271,10 @@ class Settings(BaseSettings):
             return [item.strip() if isinstance(item, str) else item for item in value
                     if not isinstance(item, str) or item.strip()]
         return value
+
+    def batch(self) -> BatchLimits:
+        """The worker's seats and step budget: those set, the device's defaults for the rest."""
+        return batch_limits(self.device, self.max_num_seqs, self.max_num_batched_tokens)
 
 
 def load_settings(**overrides: object) -> Settings:

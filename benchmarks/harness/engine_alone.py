@@ -216,11 +216,26 @@ def roofline(engine: Engine, mean_input: float, mean_output: float, *, cuda: boo
     decode = _decode_rate(engine, context, cuda=cuda)
     per_request_s = (mean_input * flops_per_token / flop_s
                      + mean_output / decode["decode_tok_s"])
+    # What the engine's prompt steps reach of that matrix rate (the prefill that filled the
+    # cache for the decode timing, its first decodes included): the share of the gap to the
+    # roofline that prompt work explains.
+    prefill_flop_s = decode["prefill_tok_s"] * flops_per_token
     return {"matmul_tflop_s": round(flop_s / 1e12, 2),
             "flops_per_prompt_token": round(flops_per_token), **decode,
+            "prefill_tflop_s": round(prefill_flop_s / 1e12, 1),
+            "prefill_share_of_matmul": round(prefill_flop_s / flop_s, 3),
             "decode_context": context,
             "mean_input": round(mean_input, 1), "mean_output": round(mean_output, 1),
-            "roofline_req_s": round(1 / per_request_s, 2)}
+            "roofline_req_s": round(1 / per_request_s, 2),
+            **({"kernels": _kernels_or_error(engine, context)} if cuda else {})}
+
+
+def _kernels_or_error(engine: Engine, context: int) -> dict[str, Any]:
+    """The profile, or why there is none: the roofline measured already is kept either way."""
+    try:
+        return _step_kernels(engine, context)
+    except Exception as exc:  # noqa: BLE001 - a profiler's failure is reported, not raised
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _matmul_flop_s(*, cuda: bool) -> float:
@@ -258,14 +273,19 @@ def _decode_rate(engine: Engine, context: int, *, cuda: bool) -> dict[str, float
         engine.add_request(EngineRequest(
             rid, [(7919 * (i * context + j) + i) % (vocab - 1) + 1 for j in range(context)],
             params))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    start = replace(engine.stats)
+    t0 = time.perf_counter()
     while engine.pending_prefill_tokens:
         engine.step()
+    sync()
+    prefill_s = time.perf_counter() - t0
+    prefilled = engine.stats.prompt_tokens_computed - start.prompt_tokens_computed
     for _ in range(2):
         engine.step()
     before = replace(engine.stats)
     state = (f"{engine.num_running} running, {engine.num_waiting} waiting, "
              f"{engine.pending_prefill_tokens} prompt tokens left")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
     decoded = 0  # the tokens the steps gave back, as a worker counts them
@@ -287,7 +307,82 @@ def _decode_rate(engine: Engine, context: int, *, cuda: bool) -> dict[str, float
     return {"decode_batch": round(decoded / max(ran, 1), 1), "decode_steps": ran,
             "decode_step_ms": round(1000 * wall / max(ran, 1), 3),
             "decode_tok_s": round(decoded / wall, 1),
-            "decode_prompt_tokens": stats.prompt_tokens_computed - before.prompt_tokens_computed}
+            "decode_prompt_tokens": stats.prompt_tokens_computed - before.prompt_tokens_computed,
+            "prefill_tok_s": round(prefilled / prefill_s, 1)}
+
+
+PROFILED_STEPS = 3
+
+
+def _step_kernels(engine: Engine, context: int) -> dict[str, Any]:
+    """Where a CUDA step's device time goes (torch.profiler): ``PROFILED_STEPS`` decode steps
+    at the roofline's batch, then as many full prompt steps (requests of ``context`` tokens,
+    one output token each); per phase the device time per step by kernel (the 12 largest) and
+    by kind (matrix products, attention, the rest)."""
+    cfg = engine.config
+    vocab = engine.tokenizer.vocab_size
+    batch = max(1, min(cfg.max_num_seqs, engine.kv_spec.num_tokens // (context + 64)))
+
+    def add(n: int, tag: str, max_tokens: int, salt: int) -> list[str]:
+        """``n`` requests of prompts no other request shares (no prefix-cache hit)."""
+        ids = [f"{tag}-{i}" for i in range(n)]
+        for i, rid in enumerate(ids):
+            engine.add_request(EngineRequest(
+                rid, [(104729 * (i * context + j) + salt * i + salt) % (vocab - 1) + 1
+                      for j in range(context)],
+                SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        return ids
+
+    ids = add(batch, "profile-decode", PROFILED_STEPS + 8, 3)
+    while engine.pending_prefill_tokens:
+        engine.step()
+    engine.step()
+    phases = {"decode": _profiled(engine, PROFILED_STEPS) | {"batch": batch}}
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    steps = PROFILED_STEPS + 2
+    add(-(-steps * cfg.max_num_batched_tokens // context), "profile-prefill", 1, 5)
+    engine.step()  # the first prompt step, outside the profile
+    phases["prefill"] = _profiled(engine, PROFILED_STEPS) | {
+        "tokens_per_step": cfg.max_num_batched_tokens}
+    while engine.has_unfinished():
+        engine.step()
+    return phases
+
+
+def _profiled(engine: Engine, steps: int) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels: Counter[str] = Counter()
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", 0) or 0
+        if us > 0:
+            kernels[event.key[:90]] += us / steps
+    kinds: Counter[str] = Counter()
+    for name, us in kernels.items():
+        kinds[_kernel_kind(name)] += us
+    return {"wall_ms_per_step": round(1000 * wall / steps, 2),
+            "device_ms_per_step": round(sum(kernels.values()) / 1000, 2),
+            "by_kind_ms": {k: round(us / 1000, 2) for k, us in kinds.most_common()},
+            "top_kernels_ms": [[k, round(us / 1000, 3)] for k, us in kernels.most_common(12)]}
+
+
+def _kernel_kind(name: str) -> str:
+    low = name.lower()
+    if any(k in low for k in ("gemm", "cutlass", "nvjet", "sm90_xmma", "matmul", "_linear")):
+        return "matmul"
+    if any(k in low for k in ("prefill_kernel", "decode_split", "decode_combine", "attention")):
+        return "attention"
+    return "other"
 
 
 def warm_grammars(engine: Engine, formats: list[dict[str, Any]]) -> None:

@@ -71,6 +71,7 @@ from tidegate.benchmarks.harness.measure.metrics import (  # noqa: E402
     summarize,
 )
 from tidegate.benchmarks.harness.run.stack import Stack, StackConfig, StackError, run_engine_alone  # noqa: E402
+from tidegate.settings import batch_limits  # noqa: E402
 
 SECTIONS = ("capacity", "burst", "rates")
 WARM_UP, WARM_UP_JOBS = "warm-up", 4
@@ -110,18 +111,15 @@ class Bench:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from tidegate.settings import Settings
-
-    worker = Settings.model_fields
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_argument_group("stack")
     g.add_argument("--model", default="smollm2")
     g.add_argument("--device", default="cpu", help="cpu | cuda (several workers: cuda:0, :1...)")
     g.add_argument("--dtype", default="auto")
-    g.add_argument("--max-num-seqs", type=int, default=worker["max_num_seqs"].default)
+    g.add_argument("--max-num-seqs", type=int, help="default: the worker's for --device")
     g.add_argument("--max-num-batched-tokens", type=int,
-                   default=worker["max_num_batched_tokens"].default)
+                   help="default: the worker's for --device")
     g.add_argument("--kv-cache-gb", type=float, help="default: the worker's")
     g.add_argument("--torch-threads", type=int, help="default: the worker's (one per core)")
     g.add_argument("--no-cuda-graphs", action="store_true")
@@ -254,9 +252,11 @@ def resolve(args: argparse.Namespace) -> Bench:
     sections = tuple(s for s in SECTIONS if s in only
                      and not (s == "burst" and args.burst <= 0)
                      and not (s == "rates" and not args.rates))
+    # The worker's own defaults for the device, resolved here so the results name them.
+    batch = batch_limits(args.device, args.max_num_seqs, args.max_num_batched_tokens)
     stack = StackConfig(
-        model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gb=args.kv_cache_gb,
+        model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=batch.max_num_seqs,
+        max_num_batched_tokens=batch.max_num_batched_tokens, kv_cache_gb=args.kv_cache_gb,
         workers=args.workers, torch_threads=args.torch_threads,
         cuda_graphs=not args.no_cuda_graphs, aof=not args.no_aof,
         redis_server=args.redis_server,

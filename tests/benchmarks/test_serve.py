@@ -119,6 +119,8 @@ def test_a_chat_mix_sweeps_rates_against_the_slo_and_reports_its_cold_start(
     # Decode alone was timed: every timed step decoded the whole batch, no prompt among them.
     assert roof["decode_tok_s"] > 0 and roof["decode_prompt_tokens"] == 0
     assert roof["decode_batch"] >= 1 and roof["decode_steps"] > 0
+    # The prompts that filled the cache were timed too, against the matrix rate.
+    assert roof["prefill_tok_s"] > 0 and roof["prefill_share_of_matmul"] > 0
     figures = json.loads(headline.read_text())
     assert figures["device"] == result["machine"]["cpu_model"]  # a CPU run names its CPU
     assert figures["slo_rate_req_s"] == 40.0

@@ -450,9 +450,11 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-max-batch", type=int, metavar="N",
                    help="speculate in steps of at most N running requests (default: wherever "
                         "the worker measures it faster than plain decoding)")
-    p.add_argument("--max-num-seqs", type=int, help="requests batched at once (default 32)")
+    p.add_argument("--max-num-seqs", type=int,
+                   help="requests batched at once (default 32 on cpu, 1024 on cuda)")
     p.add_argument("--max-num-batched-tokens", type=int,
-                   help="tokens per engine step: decodes plus prompt chunks (default 512)")
+                   help="tokens per engine step: decodes plus prompt chunks (default 512 on "
+                        "cpu, 8192 on cuda)")
     p.add_argument("--max-step-ms", type=float, metavar="MS",
                    help="a step that decodes takes about this long at most: prompt chunks "
                         "beside its decodes sized to fit (default: off)")

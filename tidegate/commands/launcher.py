@@ -152,8 +152,9 @@ def _spawn_worker(settings: Settings) -> subprocess.Popen:
     env["TIDEGATE_DTYPE"] = settings.dtype
     env["TIDEGATE_WEIGHTS"] = settings.weights
     env["TIDEGATE_CPU_ACTIVATIONS"] = settings.cpu_activations
-    env["TIDEGATE_MAX_NUM_SEQS"] = str(settings.max_num_seqs)
-    env["TIDEGATE_MAX_NUM_BATCHED_TOKENS"] = str(settings.max_num_batched_tokens)
+    for name in ("max_num_seqs", "max_num_batched_tokens"):  # unset: the device's default
+        if getattr(settings, name) is not None:
+            env[f"TIDEGATE_{name.upper()}"] = str(getattr(settings, name))
     if settings.kv_cache_gb is not None:
         env["TIDEGATE_KV_CACHE_GB"] = str(settings.kv_cache_gb)
     env["TIDEGATE_KV_CACHE_DTYPE"] = settings.kv_cache_dtype

@@ -572,10 +572,11 @@ def _load_draft(settings: Settings, target: LoadedModel, dtype: torch.dtype | No
 
 
 def engine_config(settings: Settings, max_model_len: int, max_loras: int) -> EngineConfig:
+    batch = settings.batch()
     return EngineConfig(
         max_model_len=max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
+        max_num_seqs=batch.max_num_seqs,
+        max_num_batched_tokens=batch.max_num_batched_tokens,
         block_size=settings.block_size,
         kv_cache_gb=settings.kv_cache_gb,
         kv_cache_memory_fraction=settings.kv_cache_memory_fraction,

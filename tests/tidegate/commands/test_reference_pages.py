@@ -61,8 +61,11 @@ def test_every_command_and_flag_is_listed(pages: dict[str, str]) -> None:
                     assert flag in section, (command.name, flag)
     # A flag that sets a setting shows the setting's variable and default.
     worker = page.split("## tidegate worker\n", 1)[1].split("\n## ", 1)[0]
+    row = next(line for line in worker.splitlines() if line.startswith("| `--max-lora-rank"))
+    assert "`16`" in row and "settings.md#tidegate_max_lora_rank" in row
+    # One whose default depends on the device is unset there; its help says each default.
     row = next(line for line in worker.splitlines() if line.startswith("| `--max-num-seqs"))
-    assert "`32`" in row and "settings.md#tidegate_max_num_seqs" in row
+    assert "unset" in row and "1024 on cuda" in row and "settings.md#tidegate_max_num_seqs" in row
     # ... but a request's own flag does not (submit's --model is not TIDEGATE_MODELS).
     submit = page.split("## tidegate submit\n", 1)[1].split("\n## ", 1)[0]
     assert "settings.md" not in submit
