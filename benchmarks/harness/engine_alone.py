@@ -315,41 +315,32 @@ PROFILED_STEPS = 3
 
 
 def _step_kernels(engine: Engine, context: int) -> dict[str, Any]:
-    """Where a CUDA step's device time goes (torch.profiler): ``PROFILED_STEPS`` decode steps
-    at the roofline's batch, then as many full prompt steps (requests of ``context`` tokens,
-    one output token each); per phase the device time per step by kernel (the 12 largest) and
-    by kind (matrix products, attention, the rest)."""
+    """Where a CUDA decode step's device time goes (torch.profiler): ``PROFILED_STEPS`` steps
+    at the roofline's batch of ``context``-token requests, their device time per step by
+    kernel (the 12 largest) and by kind (matrix products, attention, the rest). One profiler
+    session per process: a second one recorded no kernel here (torch 2.11)."""
     cfg = engine.config
     vocab = engine.tokenizer.vocab_size
-    batch = max(1, min(cfg.max_num_seqs, engine.kv_spec.num_tokens // (context + 64)))
-
-    def add(n: int, tag: str, max_tokens: int, salt: int) -> list[str]:
-        """``n`` requests of prompts no other request shares (no prefix-cache hit)."""
-        ids = [f"{tag}-{i}" for i in range(n)]
-        for i, rid in enumerate(ids):
-            engine.add_request(EngineRequest(
-                rid, [(104729 * (i * context + j) + salt * i + salt) % (vocab - 1) + 1
-                      for j in range(context)],
-                SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
-        return ids
-
-    ids = add(batch, "profile-decode", PROFILED_STEPS + 8, 3)
+    batch = max(1, min(cfg.max_num_seqs, engine.kv_spec.num_tokens // (context + 128)))
+    # Enough tokens that the first requests still decode once the last are prefilled.
+    max_tokens = PROFILED_STEPS + 8 + -(-batch * context // cfg.max_num_batched_tokens)
+    ids = [f"profile-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):  # prompts no earlier request shares: no prefix-cache hit
+        engine.add_request(EngineRequest(
+            rid, [(104729 * (i * context + j) + 3 * i + 3) % (vocab - 1) + 1
+                  for j in range(context)],
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
     while engine.pending_prefill_tokens:
         engine.step()
     engine.step()
-    phases = {"decode": _profiled(engine, PROFILED_STEPS) | {"batch": batch}}
+    before = engine.stats.decode_tokens
+    profiled = _profiled(engine, PROFILED_STEPS)
+    decoded = engine.stats.decode_tokens - before
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    steps = PROFILED_STEPS + 2
-    add(-(-steps * cfg.max_num_batched_tokens // context), "profile-prefill", 1, 5)
-    engine.step()  # the first prompt step, outside the profile
-    phases["prefill"] = _profiled(engine, PROFILED_STEPS) | {
-        "tokens_per_step": cfg.max_num_batched_tokens}
-    while engine.has_unfinished():
-        engine.step()
-    return phases
+    return {"decode": profiled | {"batch": round(decoded / PROFILED_STEPS, 1)}}
 
 
 def _profiled(engine: Engine, steps: int) -> dict[str, Any]:

@@ -254,6 +254,7 @@ def resolve(args: argparse.Namespace) -> Bench:
                      and not (s == "rates" and not args.rates))
     # The worker's own defaults for the device, resolved here so the results name them.
     batch = batch_limits(args.device, args.max_num_seqs, args.max_num_batched_tokens)
+    args.max_num_seqs, args.max_num_batched_tokens = batch.max_num_seqs, batch.max_num_batched_tokens
     stack = StackConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=batch.max_num_seqs,
         max_num_batched_tokens=batch.max_num_batched_tokens, kv_cache_gb=args.kv_cache_gb,

@@ -86,14 +86,17 @@ def machine() -> dict[str, object]:
 
 
 def git_commit() -> str | None:
-    """HEAD of the checkout the benchmark runs from (None outside a git checkout, as in a copy
-    of the tree without ``.git``)."""
+    """HEAD of the checkout the benchmark runs from, with ``+dirty`` when its tracked files
+    differ from HEAD (a copied tree whose ``.git`` is older than its files); None outside a git
+    checkout, as in a copy of the tree without ``.git``."""
     for where in (ROOT, Path.cwd()):
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             done = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"],
                                   capture_output=True, text=True, timeout=10)
             if done.returncode == 0:
-                return done.stdout.strip()
+                clean = subprocess.run(["git", "-C", str(where), "diff", "--quiet", "HEAD"],
+                                       capture_output=True, timeout=30).returncode == 0
+                return done.stdout.strip() + ("" if clean else "+dirty")
     return None
 
 
