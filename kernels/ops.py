@@ -22,6 +22,7 @@ from tidegate.kernels.cpu.native_cpu import (
 from tidegate.kernels.cpu.paged_attention import (
     PagedAttentionMetadata,
     PagedLayer,
+    PagedStack,
     paged_decode_attention,
     store_kv_ref,
 )
@@ -37,7 +38,7 @@ from tidegate.kernels.weights.fp8_weight import Fp8Weight
 from tidegate.kernels.weights.int_weight import IntWeight
 from tidegate.kernels.weights.packed_weight import PackedWeight
 
-__all__ = ["add_lora", "apply_token_bitmask", "decoder_layer", "embedding", "fuses_projections",
+__all__ = ["add_lora", "apply_token_bitmask", "decoder_layer", "decoder_layers", "embedding", "fuses_projections",
            "gelu_and_mul", "linear", "lora_rows", "moe", "norm_linear", "norm_project",
            "paged_attention", "paged_decode", "rms_norm", "rotary",
            "rotary_store_kv", "silu_and_mul", "silu_project", "store_kv"]
@@ -162,6 +163,20 @@ def decoder_layer(hidden: torch.Tensor, residual: torch.Tensor | None, weights: 
     if not _layer_call.applies(hidden, weights, paged):
         return None
     return _layer_call(hidden, residual, weights, positions, rope_cache, paged)
+
+
+def decoder_layers(hidden: torch.Tensor, weights: list[DecoderWeights], positions: torch.Tensor,
+                   rope_cache: torch.Tensor, paged: PagedStack
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every decoder layer of a step in one native call: (hidden, residual) after the last,
+    the bits ``decoder_layer`` gives layer by layer. None where a layer's call would not serve
+    (``decoder_layer``'s conditions): the caller goes layer by layer."""
+    global _layer_call
+    if hidden.device.type != "cpu" or (native := native_kernels()) is None:
+        return None
+    if _layer_call is None or _layer_call.native is not native:
+        _layer_call = LayerCall(native)
+    return _layer_call.stack(hidden, weights, positions, rope_cache, paged)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:

@@ -6,7 +6,9 @@ before).
 
 Workloads (greedy; ``ignore_eos`` on tidegate's side, llama.cpp's generator never stops):
   batch1  one chat prompt (the chat template around a question), 128 new tokens: prefill time
-          and ms per output token (the median decode step, and the mean).
+          and ms per output token (the median decode step, and the mean); tidegate's 8-bit
+          default also with a native call per decoder layer (``layer_by_layer``) instead of one
+          for the whole stack, to show what the Python between layers costs.
   mixed   32 requests, prompts uniform in 64-512 tokens, outputs uniform in 64-256
           (``benchmarks/engine/engine_cpu.py``'s workload), all submitted at t=0: output tokens/s.
           tidegate only (llama-cpp-python serves one sequence at a time).
@@ -34,6 +36,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,6 +46,7 @@ import torch
 from tidegate.benchmarks.engine.engine_cpu import mixed_workload, run_tidegate  # noqa: E402
 from tidegate.benchmarks.harness.greedy import PROMPTS, first_divergence, generate
 from tidegate.benchmarks.harness.measure import record
+from tidegate.kernels import ops
 from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model  # noqa: E402
@@ -81,6 +86,18 @@ def tidegate_batch1(name: str, loaded: LoadedModel, prompt: list[int]) -> Batch1
     decode = steps[1:]
     return Batch1(name, len(prompt), steps[0], statistics.median(decode),
                   statistics.fmean(decode), tokens)
+
+
+@contextmanager
+def layer_by_layer() -> Iterator[None]:
+    """The engine with a native call per decoder layer instead of one for the stack (what it
+    ran before ``ops.decoder_layers``): the same bits, the Python around each layer back."""
+    real = ops.decoder_layers
+    ops.decoder_layers = lambda *_args: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        ops.decoder_layers = real
 
 
 def llama_cpp_batch1(llm, prompt: list[int]) -> Batch1:  # noqa: ANN001
@@ -238,6 +255,10 @@ def main() -> None:
             got["b1 llama.cpp"] = llama_cpp_batch1(llm, prompt)
         got["b1 tidegate packed int8"] = tidegate_batch1(
             "tidegate, packed Q4_1/Q8_0, 8-bit activations", packed, prompt)
+        with layer_by_layer():
+            got["b1 tidegate packed int8, a call per layer"] = tidegate_batch1(
+                "tidegate, packed Q4_1/Q8_0, 8-bit activations, a native call per layer",
+                packed, prompt)
         got["b1 tidegate packed float"] = tidegate_batch1(
             "tidegate, packed Q4_1/Q8_0, float32 activations", exact, prompt)
         got["b1 tidegate float32"] = tidegate_batch1("tidegate, dequantized float32",

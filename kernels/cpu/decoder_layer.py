@@ -1,4 +1,6 @@
-"""A decoder layer of a step in one native call on the CPU (``csrc/decoder_layer_cpu.c``).
+"""A step's decoder layers in one native call on the CPU (``csrc/decoder_layer_cpu.c``): the
+whole stack at once (``LayerCall.stack``) where every layer would be one call, else a call per
+layer.
 
 At one row per sequence a layer's kernels take less time than the Python around them (dispatch,
 ctypes, allocation: about a third of a 20 ms step of the default model over ~10 calls per
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tidegate.kernels.cpu.native_cpu import NativeCpuKernels
-from tidegate.kernels.cpu.paged_attention import PagedLayer, kv_int8
+from tidegate.kernels.cpu.paged_attention import PagedLayer, PagedStack, kv_int8
 from tidegate.kernels.weights.int_weight import IntWeight
 from tidegate.kernels.weights.packed_weight import PackedWeight
 
@@ -97,6 +99,10 @@ class LayerCall:
         self._layers: dict[tuple[int, ...], tuple[_Layer, DecoderWeights]] = {}
         # The step's rows struct: (meta, positions, rope, struct, the tensors it points into).
         self._step: tuple[object, ...] | None = None
+        # Layer stacks: the array of their structs' addresses, by the identity of the weights.
+        self._stacks: dict[tuple[int, ...], tuple[ctypes.Array, list[DecoderWeights]]] = {}
+        # The KV cache's per-layer addresses: (key, key pointers, value pointers, the cache).
+        self._pointers: tuple[tuple[int, ...], ctypes.Array, ctypes.Array, torch.Tensor] | None = None
 
     def applies(self, hidden: torch.Tensor, weights: DecoderWeights, paged: PagedLayer) -> bool:
         return (hidden.device.type == "cpu" and hidden.dtype == torch.float32
@@ -125,6 +131,66 @@ class LayerCall:
         if rc != 0:
             raise ValueError("decoder layer kernel: a projection's format is not one it computes")
         return out, out_residual
+
+    def stack(self, hidden: torch.Tensor, weights: list[DecoderWeights], positions: torch.Tensor,
+              rope_cache: torch.Tensor, paged: PagedStack
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every layer of a step in one call (``tidegate_decoder_layers_q8``): (hidden,
+        residual) after the last, as ``__call__`` layer by layer gives them; None where a
+        layer's call would not serve."""
+        kv = paged.kv_cache
+        if not weights or not (
+                hidden.device.type == "cpu" and hidden.dtype == torch.float32
+                and hidden.dim() == 2 and hidden.is_contiguous()
+                and kv.dtype in (torch.float32, torch.int8) and kv.is_contiguous()
+                and kv.shape[0] >= len(weights)):
+            return None
+        m, h = hidden.shape
+        layers = self._stack_of(weights, h, paged.scale)
+        if layers is None:
+            return None
+        step = self._rows(paged.layer(0), positions, rope_cache, m)
+        keys, values = self._cache_pointers(kv, len(weights))
+        out, out_residual = torch.empty(m, h), torch.empty(m, h)
+        rc = self.native.decoder_layers(
+            layers, len(weights), ctypes.byref(step), keys, values, hidden.data_ptr(), None,
+            out.data_ptr(), out_residual.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("decoder layer kernel could not allocate its scratch memory")
+        if rc != 0:
+            raise ValueError("decoder layer kernel: a projection's format is not one it computes")
+        return out, out_residual
+
+    def _stack_of(self, weights: list[DecoderWeights], hidden: int, scale: float
+                  ) -> ctypes.Array | None:
+        """The layers' structs as the array of pointers the C side walks (kept per set of
+        weights); None if a layer's weights are not ones the layer kernel computes."""
+        key = tuple(id(t) for w in weights for t in (w.input_norm, w.post_norm,
+                                                     *w.projections()))
+        entry = self._stacks.get(key)
+        if entry is None:
+            if not all(takes_int8(p) for w in weights for p in w.projections()) or any(
+                    n.dtype != torch.float32 or not n.is_contiguous()
+                    for w in weights for n in (w.input_norm, w.post_norm)):
+                return None
+            if len(self._stacks) >= MAX_LAYERS:
+                self._stacks.clear()
+            structs = [self._layer(w, hidden, scale) for w in weights]
+            array = (ctypes.POINTER(_Layer) * len(structs))(
+                *(ctypes.pointer(struct) for struct in structs))
+            entry = self._stacks[key] = (array, weights)  # the weights kept alive with it
+        return entry[0]
+
+    def _cache_pointers(self, kv: torch.Tensor, n: int) -> tuple[ctypes.Array, ctypes.Array]:
+        """Each layer's key and value cache addresses in ``kv`` [L, 2, ...] (kept per cache)."""
+        key = (kv.data_ptr(), n, kv.stride(0), kv.stride(1), kv.element_size())
+        if self._pointers is None or self._pointers[0] != key:
+            base, layer, half = kv.data_ptr(), kv.stride(0) * kv.element_size(), (
+                kv.stride(1) * kv.element_size())
+            keys = (ctypes.c_void_p * n)(*(base + i * layer for i in range(n)))
+            values = (ctypes.c_void_p * n)(*(base + i * layer + half for i in range(n)))
+            self._pointers = (key, keys, values, kv)  # the cache kept alive with its addresses
+        return self._pointers[1], self._pointers[2]
 
     def _layer(self, weights: DecoderWeights, hidden: int, scale: float) -> _Layer:
         key = (id(weights.input_norm), id(weights.post_norm),

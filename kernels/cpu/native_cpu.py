@@ -176,6 +176,12 @@ class NativeCpuKernels:
         # (layer struct, step struct, key cache, value cache, hidden, residual or None, out,
         # out residual, threads): tidegate.kernels.cpu.decoder_layer builds the structs and checks operands.
         self.decoder_layer = fn
+        fn = self.lib.tidegate_decoder_layers_q8
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
+        # (layer struct pointers, layers, step struct, key cache pointers, value cache pointers,
+        # hidden, residual or None, out, out residual, threads): every layer of a step.
+        self.decoder_layers = fn
         fn = self.lib.tidegate_silu_mul_f32
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2 + [
             ctypes.c_int]

@@ -104,6 +104,20 @@ class PagedLayer:
     scale: float
 
 
+@dataclass(frozen=True, slots=True)
+class PagedStack:
+    """A step over every layer's paged cache at once: what the layer-stack kernel needs
+    besides the layers' weights (``tidegate.kernels.cpu.decoder_layer``)."""
+
+    kv_cache: torch.Tensor  # [L, 2, num_blocks, block_size, Hk, D]
+    meta: PagedAttentionMetadata
+    scale: float
+
+    def layer(self, layer: int) -> PagedLayer:
+        return PagedLayer(self.kv_cache[layer, 0], self.kv_cache[layer, 1], self.meta,
+                          self.scale)
+
+
 def upload(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A tensor of host values on ``device`` (``to_device``)."""
     return to_device(torch.tensor(values, dtype=dtype), device)

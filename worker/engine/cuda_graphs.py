@@ -66,6 +66,9 @@ class GraphDecodeAttention:
     def paged_layer(self, layer: int) -> None:
         return None  # captured steps run op by op (the whole-layer kernel is the CPU's)
 
+    def paged_stack(self) -> None:
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class _Captured:

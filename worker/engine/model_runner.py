@@ -19,7 +19,12 @@ import torch
 
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.native_cpu import native_kernels
-from tidegate.kernels.cpu.paged_attention import PagedAttentionMetadata, PagedLayer, upload
+from tidegate.kernels.cpu.paged_attention import (
+    PagedAttentionMetadata,
+    PagedLayer,
+    PagedStack,
+    upload,
+)
 from tidegate.kernels.ops import lora_rows
 from tidegate.kernels.reference.lora import NO_ADAPTER
 from tidegate.worker.engine.grammar_masks import TokenMask
@@ -60,8 +65,10 @@ class PagedAttention:
                                    window=spec.window, softcap=spec.softcap)
 
     def paged_layer(self, layer: int) -> PagedLayer:
-        return PagedLayer(self.kv_cache[layer, 0], self.kv_cache[layer, 1], self.meta,
-                          self.scale)
+        return self.paged_stack().layer(layer)
+
+    def paged_stack(self) -> PagedStack:
+        return PagedStack(self.kv_cache, self.meta, self.scale)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from torch import nn
 
 from tidegate.kernels import ops
 from tidegate.kernels.cpu.decoder_layer import DecoderWeights
-from tidegate.kernels.cpu.paged_attention import PagedLayer
+from tidegate.kernels.cpu.paged_attention import PagedLayer, PagedStack
 from tidegate.kernels.reference.lora import LoraRows
 from tidegate.kernels.reference.rotary import cos_sin_cache
 from tidegate.kernels.weights.fp8_weight import Fp8Weight
@@ -71,6 +71,11 @@ class AttentionBackend(Protocol):
     def paged_layer(self, layer: int) -> PagedLayer | None:
         """Layer ``layer``'s paged cache and the step's metadata, so a whole-layer kernel may
         run the layer; None where there is no paged cache to hand over."""
+        ...
+
+    def paged_stack(self) -> PagedStack | None:
+        """Every layer's paged cache and the step's metadata, so one kernel may run the layer
+        stack; None where there is no paged cache to hand over."""
         ...
 
 
@@ -129,6 +134,9 @@ class CausalAttention:
         return out.to(q.dtype)
 
     def paged_layer(self, layer: int) -> PagedLayer | None:
+        return None
+
+    def paged_stack(self) -> PagedStack | None:
         return None
 
 
@@ -368,14 +376,32 @@ class DecoderModel(nn.Module):
         else:
             hidden = stream
         residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, positions, self.rope_for(i), attn, i,
-                                     None if lora is None else lora.layer(i))
+        if (stack := self._one_call(hidden, positions, attn, lora)) is not None:
+            hidden, residual = stack
+        else:
+            for i, layer in enumerate(self.layers):
+                hidden, residual = layer(hidden, residual, positions, self.rope_for(i), attn, i,
+                                         None if lora is None else lora.layer(i))
         if not self.is_last_stage:
             # The one tensor the next stage needs; its first layer adds the two itself
             # otherwise, the same float sum.
             return hidden if residual is None else hidden + residual
         return ops.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)[0]
+
+    def _one_call(self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                  lora: LoraBatch | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every layer in one native call (``ops.decoder_layers``), where each would run as
+        one call anyway (plain layers, no adapters, no tensor parallelism, one rotary table):
+        (hidden, residual) after the last layer; None otherwise."""
+        if lora is not None or hidden.device.type != "cpu" or self.rope_cache_local is not None:
+            return None
+        if not all(layer.plain and layer.comm is None for layer in self.layers):
+            return None
+        paged = attn.paged_stack()
+        if paged is None:
+            return None
+        return ops.decoder_layers(hidden, [layer.weights() for layer in self.layers],
+                                  positions, self.rope_cache, paged)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [T] -> embeddings [T, H]; a vocabulary shard looks up the ids in its

@@ -131,3 +131,24 @@ done:
     free(scratch);
     return rc;
 }
+
+/* Every layer of a step in one call: layers[i] over its caches key_caches[i] and
+ * value_caches[i], the first reading hidden and residual (NULL: hidden alone), each later one
+ * the stream the one before left in out and out_residual (a layer reads its inputs before it
+ * writes its outputs, so they may be the same buffers). At one row a layer's own work is a
+ * few hundred microseconds of a small model, and the Python around each layer's call
+ * (dispatch, its structs, its outputs) added a fifth to a decode step: here it is paid once.
+ * Returns what the first failing layer returns, else 0. */
+int tidegate_decoder_layers_q8(const struct tidegate_decoder_layer *const *layers, int64_t n,
+                               const struct tidegate_step_rows *B, void *const *key_caches,
+                               void *const *value_caches, const float *hidden,
+                               const float *residual, float *out, float *out_residual,
+                               int threads) {
+    for (int64_t i = 0; i < n; ++i) {
+        int rc = tidegate_decoder_layer_q8(layers[i], B, key_caches[i], value_caches[i],
+                                           i == 0 ? hidden : out, i == 0 ? residual : out_residual,
+                                           out, out_residual, threads);
+        if (rc != 0) return rc;
+    }
+    return 0;
+}

@@ -1,4 +1,4 @@
-"""The one-call decoder layer (``tidegate.kernels.cpu.decoder_layer``, ``csrc/decoder_layer_cpu.c``) against the
+"""The one-call decoder layer and layer stack (``tidegate.kernels.cpu.decoder_layer``, ``csrc/decoder_layer_cpu.c``) against the
 op-by-op path it replaces: the engine's hidden states bit for bit, over prompt chunks and decode
 steps of several sequences (prompts of different lengths, chunked), for GGUF blocks and for
 integer weights, with a float32 and an int8 KV cache; and it steps aside where it does not
@@ -6,6 +6,7 @@ serve."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,19 +31,22 @@ def gguf_path(tmp_path: Path) -> Path:
                       qtypes={"token_embd": T.Q8_0})
 
 
-def hidden_states(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, *, fused: bool,
+def hidden_states(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, *, path: str,
                   kv: str = "auto") -> tuple[list[torch.Tensor], int]:
     """Every step's final hidden states of a greedy run of PROMPTS (16 tokens a step: prompts in
-    chunks beside decodes), and how many layers of prompt chunks the one-call path ran."""
+    chunks beside decodes), and how many steps with prompt chunks ``path`` ran in one call:
+    "stack" (every layer in one call), "layer" (a call per layer) or "ops" (op by op)."""
     calls = 0
-    real = ops.decoder_layer
+    real_stack, real_layer = ops.decoder_layers, ops.decoder_layer
 
-    def counted(*args: object) -> tuple[torch.Tensor, torch.Tensor] | None:
-        nonlocal calls
-        done = real(*args) if fused else None  # type: ignore[arg-type]
-        hidden = args[0]
-        calls += done is not None and hidden.shape[0] > len(PROMPTS)  # type: ignore[attr-defined]
-        return done
+    def counted(real: Callable[..., object], on: bool) -> Callable[..., object]:
+        def call(*args: object) -> object:
+            nonlocal calls
+            done = real(*args) if on else None
+            hidden = args[0]
+            calls += done is not None and hidden.shape[0] > len(PROMPTS)  # type: ignore[attr-defined]
+            return done
+        return call
 
     seen: list[torch.Tensor] = []
     logits = loaded.model.compute_logits
@@ -52,7 +56,8 @@ def hidden_states(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, *, fused
         return logits(hidden)
 
     with monkeypatch.context() as patch:
-        patch.setattr(ops, "decoder_layer", counted)
+        patch.setattr(ops, "decoder_layers", counted(real_stack, path == "stack"))
+        patch.setattr(ops, "decoder_layer", counted(real_layer, path == "layer"))
         patch.setattr(loaded.model, "compute_logits", capture)
         engine = Engine(loaded.model, loaded.tokenizer,
                         EngineConfig(max_model_len=256, num_blocks=64, block_size=4,
@@ -70,10 +75,13 @@ def hidden_states(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, *, fused
 def test_gguf_layers_in_one_call_give_the_op_by_op_bits(
         gguf_path: Path, monkeypatch: pytest.MonkeyPatch, kv: str) -> None:
     loaded = load_model(str(gguf_path), cpu_activations="int8")
-    one, calls = hidden_states(loaded, monkeypatch, fused=True, kv=kv)
-    by_op, none = hidden_states(loaded, monkeypatch, fused=False, kv=kv)
-    assert calls > 0 and none == 0
+    stack, stacked = hidden_states(loaded, monkeypatch, path="stack", kv=kv)
+    one, calls = hidden_states(loaded, monkeypatch, path="layer", kv=kv)
+    by_op, none = hidden_states(loaded, monkeypatch, path="ops", kv=kv)
+    # A step with prompt chunks is one call for the stack, one per layer layer by layer.
+    assert stacked > 0 and calls == stacked * len(loaded.model.layers) and none == 0
     assert all(torch.equal(a, b) for a, b in zip(one, by_op, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(stack, by_op, strict=True))
 
 
 def test_integer_layers_in_one_call_give_the_op_by_op_bits(
@@ -84,18 +92,20 @@ def test_integer_layers_in_one_call_give_the_op_by_op_bits(
             if isinstance(module, PackedLinear):
                 module.weight = IntWeight.quantize(module.weight.dequantize(), 4, group,
                                                    symmetric=False).with_activations("int8")
-    one, calls = hidden_states(loaded, monkeypatch, fused=True)
-    by_op, _ = hidden_states(loaded, monkeypatch, fused=False)
-    assert calls > 0
+    stack, stacked = hidden_states(loaded, monkeypatch, path="stack")
+    one, calls = hidden_states(loaded, monkeypatch, path="layer")
+    by_op, _ = hidden_states(loaded, monkeypatch, path="ops")
+    assert stacked > 0 and calls > 0
     assert all(torch.equal(a, b) for a, b in zip(one, by_op, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(stack, by_op, strict=True))
 
 
 def test_float_activations_and_the_reference_mode_go_op_by_op(
         gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _, calls = hidden_states(load_model(str(gguf_path), cpu_activations="float"), monkeypatch,
-                             fused=True)
-    assert calls == 0
+    floats = load_model(str(gguf_path), cpu_activations="float")
+    for path in ("stack", "layer"):
+        assert hidden_states(floats, monkeypatch, path=path)[1] == 0
     loaded = load_model(str(gguf_path), cpu_activations="int8")
     monkeypatch.setenv("TIDEGATE_KERNELS", "reference")
-    _, calls = hidden_states(loaded, monkeypatch, fused=True)
-    assert calls == 0
+    for path in ("stack", "layer"):
+        assert hidden_states(loaded, monkeypatch, path=path)[1] == 0
