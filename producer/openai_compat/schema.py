@@ -59,6 +59,7 @@ class _Request(_Body):
     timeout_s: float | None = None
     lane: str | None = None
     priority: int | None = None
+    ignore_eos: bool | None = None  # as vLLM's and llama-server's routes: generate to max_tokens
 
     @property
     def include_usage(self) -> bool:
@@ -77,7 +78,8 @@ class _Request(_Body):
         """The sampling, deadline and lane fields of the job, as given (None: the default)."""
         given = self.model_dump(include={
             "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-            "repetition_penalty", "timeout_s", "lane", "priority"}, exclude_none=True)
+            "repetition_penalty", "timeout_s", "lane", "priority", "ignore_eos"},
+            exclude_none=True)
         temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         fields = {**given, "temperature": temperature}
         if self.n is not None:

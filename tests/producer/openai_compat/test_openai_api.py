@@ -356,7 +356,7 @@ async def test_request_fields_map_onto_the_job(
                   {"role": "user", "content": [{"type": "text", "text": "hi "},
                                                {"type": "text", "text": "there"}]}],
         extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "timeout_s": 60,
-                    "priority": 7})
+                    "priority": 7, "ignore_eos": True})
     job = await queued_job(aredis)
     assert [m.model_dump(exclude_none=True) for m in job.messages or []] == [
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
@@ -364,6 +364,7 @@ async def test_request_fields_map_onto_the_job(
     assert (s.max_tokens, s.temperature, s.top_p, s.seed, s.stop) == (9, 1.0, 0.5, 3, ["x"])
     assert (s.presence_penalty, s.frequency_penalty, s.logprobs) == (0.25, -0.5, None)
     assert (s.top_k, s.min_p, s.repetition_penalty, job.priority) == (5, 0.1, 1.2, 7)
+    assert s.ignore_eos
     assert 59_000 <= job.deadline_ms - job.created_ms <= 60_000
 
 

@@ -1,0 +1,236 @@
+"""tidegate against llama.cpp's own server on the CPU, server to server, the comparison users make.
+
+``llama-server`` is built from the llama.cpp source that the llama-cpp-python sdist vendors
+(CMake, ``-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON``: the flags the engine-to-engine
+check in ``benchmarks/engine/quantized_cpu.py`` builds its binding with) and cached under
+``~/.cache/tidegate/llama-server/<version>/``. It serves the default GGUF with continuous
+batching (``-np`` slots); ``tidegate up`` serves the same file. One at a time on the same cores,
+each is driven by the same client over its OpenAI-compatible ``/v1/chat/completions``: the same
+chat prompts, greedy, a fixed number of new tokens (``ignore_eos`` on both), at 1 stream and
+at 16 concurrent streams. Rounds alternate the servers (the host's speed drifts); each figure is
+the median round's. Output tokens/s counts the completion tokens each server reports in its
+``usage``, over the wall time of the whole set of requests.
+
+    python -m tidegate.benchmarks.serving.vs_llama_server --threads 2 --repeats 3 \\
+        --out benchmarks/results/serving/vs_llama_server.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tidegate.benchmarks.harness.measure import record
+
+LLAMA_CPP_PYTHON = "0.3.36"
+CMAKE_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DLLAMA_CURL=OFF",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+               "-DCMAKE_BUILD_TYPE=Release"]
+QUESTIONS = ["What is the capital of France? Answer in one sentence, please.",
+             "Name three colours of the rainbow.", "Write a haiku about the sea.",
+             "How many legs does a spider have?", "Give me a synonym for 'happy'.",
+             "What does a bicycle have two of?", "Say hello in Spanish.",
+             "What is two plus two?"]
+
+
+def llama_server(version: str = LLAMA_CPP_PYTHON) -> Path:
+    """The cached ``llama-server`` binary, built first if it is not there."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    root = cache / "tidegate" / "llama-server" / version
+    binary = root / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        ":all:", f"llama-cpp-python=={version}", "-d", tmp], check=True)
+        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        source = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
+        build = Path(tmp) / "build"
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS], check=True)
+        subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j",
+                        str(os.cpu_count() or 2)], check=True)
+        (root / "bin").mkdir(exist_ok=True)
+        built = build / "bin"
+        for item in built.iterdir():  # the server and the shared libraries it links
+            if item.name == "llama-server" or ".so" in item.name:
+                shutil.copy2(item, root / "bin" / item.name, follow_symlinks=True)
+    return binary
+
+
+@dataclass
+class Round:
+    server: str
+    streams: int
+    requests: int
+    completion_tokens: int
+    wall_s: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.completion_tokens / self.wall_s
+
+
+def post_json(url: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def drive(base: str, model: str, streams: int, requests: int, max_tokens: int) -> tuple[int, float]:
+    """``requests`` chat completions, ``streams`` at a time: (completion tokens, wall s)."""
+    def one(i: int) -> int:
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]}
+        answer = post_json(f"{base}/v1/chat/completions", body)
+        return int(answer["usage"]["completion_tokens"])
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        tokens = sum(pool.map(one, range(requests)))
+    return tokens, time.perf_counter() - start
+
+
+def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before it was up")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f} s")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One server process at a time: started, driven, stopped."""
+
+    def __init__(self, name: str, argv: list[str], health: str, base: str, model: str,
+                 env: dict[str, str] | None = None, log: Path | None = None) -> None:
+        self.name, self.argv, self.health, self.base, self.model = name, argv, health, base, model
+        self.env, self.log = env, log
+
+    def __enter__(self) -> Server:
+        out = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        wait_up(self.health, self.proc)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--requests-per-stream", type=int, default=2,
+                    help="requests per stream in a round (1 stream: at least 4)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--tidegate-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="more environment for `tidegate up` (TIDEGATE_TORCH_THREADS=1, ...)")
+    ap.add_argument("--logdir", default=None)
+    ap.add_argument("--out", default="benchmarks/results/serving/vs_llama_server.json")
+    args = ap.parse_args()
+
+    from tidegate.model_files.model_source import resolve_model
+    from tidegate.settings import batch_limits
+
+    gguf = resolve_model("smollm2").path
+    assert gguf is not None
+    binary = llama_server()
+    logdir = Path(args.logdir or tempfile.mkdtemp(prefix="vs-llama-"))
+    logdir.mkdir(parents=True, exist_ok=True)
+    slots = max(args.streams)
+    seats = batch_limits("cpu").max_num_seqs
+    ctx = 1024
+
+    def servers() -> list[Server]:
+        lport, tport = free_port(), free_port()
+        env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
+        llama = Server("llama-server", [
+            str(binary), "-m", str(gguf), "-t", str(args.threads), "-tb", str(args.threads),
+            "-np", str(slots), "-c", str(ctx * slots), "--cont-batching", "--host",
+            "127.0.0.1", "--port", str(lport)], f"http://127.0.0.1:{lport}/health",
+            f"http://127.0.0.1:{lport}", "default", env, logdir / "llama-server.log")
+        tidegate = Server("tidegate up", [
+            sys.executable, "-m", "tidegate", "up", "--port", str(tport)],
+            f"http://127.0.0.1:{tport}/readyz", f"http://127.0.0.1:{tport}", "smollm2",
+            {**os.environ, "TIDEGATE_TORCH_THREADS": str(args.threads),
+             **dict(kv.split("=", 1) for kv in args.tidegate_env)},
+            logdir / "tidegate-up.log")
+        return [llama, tidegate]
+
+    rounds: list[Round] = []
+    for r in range(args.repeats):
+        order = servers() if r % 2 == 0 else servers()[::-1]
+        for server in order:
+            with server:
+                drive(server.base, server.model, 1, 1, 8)  # warm-up, unmeasured
+                for streams in args.streams:
+                    n = max(4 if streams == 1 else 1, args.requests_per_stream) * streams
+                    tokens, wall = drive(server.base, server.model, streams, n, args.max_tokens)
+                    rounds.append(Round(server.name, streams, n, tokens, wall))
+                    print(f"round {r + 1}: {server.name}, {streams} stream(s): "
+                          f"{tokens / wall:.1f} tok/s ({tokens} tokens in {wall:.1f} s)",
+                          flush=True)
+
+    table: dict[str, dict[str, object]] = {}
+    for streams in args.streams:
+        row: dict[str, object] = {}
+        for name in ("llama-server", "tidegate up"):
+            runs = [x for x in rounds if x.server == name and x.streams == streams]
+            row[name] = round(statistics.median(x.tok_s for x in runs), 1)
+            row[f"{name} rounds"] = [round(x.tok_s, 1) for x in runs]
+        row["ratio"] = round(row["tidegate up"] / row["llama-server"], 2)  # type: ignore[operator]
+        table[f"{streams} stream(s)"] = row
+        print(f"{streams} stream(s): tidegate up {row['tidegate up']} tok/s, llama-server "
+              f"{row['llama-server']} tok/s: {row['ratio']}x", flush=True)
+    report = {**record.record(),
+              "machine": {**record.machine(), "cpu": record.cpu_model(), "threads": args.threads},
+              "llama_cpp_python": LLAMA_CPP_PYTHON, "cmake_flags": CMAKE_FLAGS,
+              "model": gguf.name, "max_tokens": args.max_tokens, "llama_server_slots": slots,
+              "tidegate_seats": seats, "tidegate_env": args.tidegate_env, "table": table, "rounds": [asdict(x) for x in rounds]}
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
