@@ -155,14 +155,21 @@ def decoder_layer(hidden: torch.Tensor, residual: torch.Tensor | None, weights: 
     """A whole decoder layer of a step in one native call: (hidden, residual) after it, the
     op-by-op path's bits. None where that call does not serve (it needs the CPU's native
     kernels and every projection on 8-bit activations): the caller goes op by op."""
+    call = _layer_call_for(hidden)
+    if call is None or not call.applies(hidden, weights, paged):
+        return None
+    return call(hidden, residual, weights, positions, rope_cache, paged)
+
+
+def _layer_call_for(hidden: torch.Tensor) -> LayerCall | None:
+    """The process's whole-layer call over the native kernels; None off the CPU or without
+    them."""
     global _layer_call
     if hidden.device.type != "cpu" or (native := native_kernels()) is None:
         return None
     if _layer_call is None or _layer_call.native is not native:
         _layer_call = LayerCall(native)
-    if not _layer_call.applies(hidden, weights, paged):
-        return None
-    return _layer_call(hidden, residual, weights, positions, rope_cache, paged)
+    return _layer_call
 
 
 def decoder_layers(hidden: torch.Tensor, weights: list[DecoderWeights], positions: torch.Tensor,
@@ -171,12 +178,8 @@ def decoder_layers(hidden: torch.Tensor, weights: list[DecoderWeights], position
     """Every decoder layer of a step in one native call: (hidden, residual) after the last,
     the bits ``decoder_layer`` gives layer by layer. None where a layer's call would not serve
     (``decoder_layer``'s conditions): the caller goes layer by layer."""
-    global _layer_call
-    if hidden.device.type != "cpu" or (native := native_kernels()) is None:
-        return None
-    if _layer_call is None or _layer_call.native is not native:
-        _layer_call = LayerCall(native)
-    return _layer_call.stack(hidden, weights, positions, rope_cache, paged)
+    call = _layer_call_for(hidden)
+    return None if call is None else call.stack(hidden, weights, positions, rope_cache, paged)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:

@@ -266,13 +266,7 @@ def _decode_rate(engine: Engine, context: int, *, cuda: bool) -> dict[str, float
         max_tokens = steps + 8 + -(-batch * context // cfg.max_num_batched_tokens)
         batch = max(1, min(cfg.max_num_seqs,
                            engine.kv_spec.num_tokens // (context + max_tokens + 16)))
-    vocab = engine.tokenizer.vocab_size
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    ids = [f"roofline-{i}" for i in range(batch)]
-    for i, rid in enumerate(ids):
-        engine.add_request(EngineRequest(
-            rid, [(7919 * (i * context + j) + i) % (vocab - 1) + 1 for j in range(context)],
-            params))
+    ids = _add_distinct(engine, "roofline", batch, context, max_tokens, salt=1)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     start = replace(engine.stats)
     t0 = time.perf_counter()
@@ -295,10 +289,7 @@ def _decode_rate(engine: Engine, context: int, *, cuda: bool) -> dict[str, float
     wall = time.perf_counter() - t0
     stats = engine.stats
     ran = stats.steps - before.steps
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
+    _abort_all(engine, ids)
     if not decoded:
         raise RuntimeError(f"roofline: {ROOFLINE_DECODE_STEPS} steps gave no token (batch "
                            f"{batch} of {context} tokens; before them {state}; the engine "
@@ -320,27 +311,39 @@ def _step_kernels(engine: Engine, context: int) -> dict[str, Any]:
     kernel (the 12 largest) and by kind (matrix products, attention, the rest). One profiler
     session per process: a second one recorded no kernel here (torch 2.11)."""
     cfg = engine.config
-    vocab = engine.tokenizer.vocab_size
     batch = max(1, min(cfg.max_num_seqs, engine.kv_spec.num_tokens // (context + 128)))
     # Enough tokens that the first requests still decode once the last are prefilled.
     max_tokens = PROFILED_STEPS + 8 + -(-batch * context // cfg.max_num_batched_tokens)
-    ids = [f"profile-{i}" for i in range(batch)]
-    for i, rid in enumerate(ids):  # prompts no earlier request shares: no prefix-cache hit
-        engine.add_request(EngineRequest(
-            rid, [(104729 * (i * context + j) + 3 * i + 3) % (vocab - 1) + 1
-                  for j in range(context)],
-            SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    ids = _add_distinct(engine, "profile", batch, context, max_tokens, salt=3)
     while engine.pending_prefill_tokens:
         engine.step()
     engine.step()
     before = engine.stats.decode_tokens
     profiled = _profiled(engine, PROFILED_STEPS)
     decoded = engine.stats.decode_tokens - before
+    _abort_all(engine, ids)
+    return {"decode": profiled | {"batch": round(decoded / PROFILED_STEPS, 1)}}
+
+
+def _add_distinct(engine: Engine, tag: str, n: int, context: int, max_tokens: int, *,
+                  salt: int) -> list[str]:
+    """``n`` greedy requests of ``context``-token prompts that share no prefix with each other
+    or with another ``salt``'s (no prefix-cache hit), generating ``max_tokens`` each."""
+    vocab = engine.tokenizer.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(n)]
+    for i, rid in enumerate(ids):
+        engine.add_request(EngineRequest(
+            rid, [(7919 * salt * (i * context + j) + i + salt) % (vocab - 1) + 1
+                  for j in range(context)], params))
+    return ids
+
+
+def _abort_all(engine: Engine, ids: list[str]) -> None:
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    return {"decode": profiled | {"batch": round(decoded / PROFILED_STEPS, 1)}}
 
 
 def _profiled(engine: Engine, steps: int) -> dict[str, Any]:

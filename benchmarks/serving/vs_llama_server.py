@@ -27,13 +27,19 @@ import sys
 import tarfile
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tidegate.benchmarks.harness.measure import record
+from tidegate.benchmarks.harness.run.processes import (
+    free_port,
+    http_ready,
+    log_tail,
+    spawn,
+    stop_processes,
+)
 
 LLAMA_CPP_PYTHON = "0.3.36"
 CMAKE_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DLLAMA_CURL=OFF",
@@ -108,51 +114,32 @@ def drive(base: str, model: str, streams: int, requests: int, max_tokens: int) -
     return tokens, time.perf_counter() - start
 
 
-def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+def wait_up(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while not http_ready(url):
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before it was up")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before it was up:"
+                               f"\n{log_tail(log)}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f} s")
         time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f} s")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
     """One server process at a time: started, driven, stopped."""
 
     def __init__(self, name: str, argv: list[str], health: str, base: str, model: str,
-                 env: dict[str, str] | None = None, log: Path | None = None) -> None:
+                 env: dict[str, str], log: Path) -> None:
         self.name, self.argv, self.health, self.base, self.model = name, argv, health, base, model
         self.env, self.log = env, log
 
     def __enter__(self) -> Server:
-        out = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        wait_up(self.health, self.proc)
+        self.proc = spawn(self.argv, self.env, self.log)
+        wait_up(self.health, self.proc, self.log)
         return self
 
     def __exit__(self, *_exc: object) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_processes([self.proc])
 
 
 def main() -> None:

@@ -89,6 +89,14 @@ def _projection(weight: PackedWeight | IntWeight) -> _Projection:
                        weight.scales.data_ptr(), weight.zeros.data_ptr(), weight.shape[0])
 
 
+def _check(rc: int) -> None:
+    """The layer kernels' return code: 0, or -1 (a format refused) / -2 (no scratch memory)."""
+    if rc == -2:
+        raise MemoryError("decoder layer kernel could not allocate its scratch memory")
+    if rc != 0:
+        raise ValueError("decoder layer kernel: a projection's format is not one it computes")
+
+
 class LayerCall:
     """The whole-layer call with its structs: one per process (``tidegate.kernels.ops`` holds it)."""
 
@@ -126,10 +134,7 @@ class LayerCall:
             paged.value_cache.data_ptr(), hidden.data_ptr(),
             None if residual is None else residual.data_ptr(), out.data_ptr(),
             out_residual.data_ptr(), torch.get_num_threads())
-        if rc == -2:
-            raise MemoryError("decoder layer kernel could not allocate its scratch memory")
-        if rc != 0:
-            raise ValueError("decoder layer kernel: a projection's format is not one it computes")
+        _check(rc)
         return out, out_residual
 
     def stack(self, hidden: torch.Tensor, weights: list[DecoderWeights], positions: torch.Tensor,
@@ -155,10 +160,7 @@ class LayerCall:
         rc = self.native.decoder_layers(
             layers, len(weights), ctypes.byref(step), keys, values, hidden.data_ptr(), None,
             out.data_ptr(), out_residual.data_ptr(), torch.get_num_threads())
-        if rc == -2:
-            raise MemoryError("decoder layer kernel could not allocate its scratch memory")
-        if rc != 0:
-            raise ValueError("decoder layer kernel: a projection's format is not one it computes")
+        _check(rc)
         return out, out_residual
 
     def _stack_of(self, weights: list[DecoderWeights], hidden: int, scale: float
