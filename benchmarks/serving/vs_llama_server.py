@@ -2,8 +2,8 @@
 
 ``llama-server`` is built from the llama.cpp source that the llama-cpp-python sdist vendors
 (CMake, ``-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON``: the flags the engine-to-engine
-check in ``benchmarks/engine/quantized_cpu.py`` builds its binding with) and cached under
-``~/.cache/tidegate/llama-server/<version>/``. It serves the default GGUF with continuous
+check in ``benchmarks/engine/quantized_cpu.py`` builds its binding with; AVX-512 off on a CPU
+without it) and cached under ``~/.cache/tidegate/llama-server/<version>/<avx512|avx2>/``. It serves the default GGUF with continuous
 batching (``-np`` slots); ``tidegate up`` serves the same file. One at a time on the same cores,
 each is driven by the same client over its OpenAI-compatible ``/v1/chat/completions``: the same
 chat prompts, greedy, a fixed number of new tokens (``ignore_eos`` on both), at 1 stream and
@@ -42,7 +42,20 @@ from tidegate.benchmarks.harness.run.processes import (
 )
 
 LLAMA_CPP_PYTHON = "0.3.36"
-CMAKE_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DLLAMA_CURL=OFF",
+
+
+def cpu_has_avx512() -> bool:
+    """Whether this CPU runs AVX-512 (a Zen 3 or an older Intel has AVX2 alone: a build with
+    ``-DGGML_AVX512=ON`` stops there on its first illegal instruction)."""
+    try:
+        return " avx512f " in f" {Path('/proc/cpuinfo').read_text()} ".replace("\n", " ")
+    except OSError:
+        return False
+
+
+# The issue's flags, with AVX-512 only where the CPU has it.
+CMAKE_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON",
+               f"-DGGML_AVX512={'ON' if cpu_has_avx512() else 'OFF'}", "-DLLAMA_CURL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                "-DCMAKE_BUILD_TYPE=Release"]
 QUESTIONS = ["What is the capital of France? Answer in one sentence, please.",
@@ -55,7 +68,7 @@ QUESTIONS = ["What is the capital of France? Answer in one sentence, please.",
 def llama_server(version: str = LLAMA_CPP_PYTHON) -> Path:
     """The cached ``llama-server`` binary, built first if it is not there."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    root = cache / "tidegate" / "llama-server" / version
+    root = cache / "tidegate" / "llama-server" / version / ("avx512" if cpu_has_avx512() else "avx2")
     binary = root / "bin" / "llama-server"
     if binary.exists():
         return binary

@@ -25,7 +25,7 @@ tidegate.commands.cli, tidegate.worker.service.service, tidegate.producer.api, t
 logs=/tmp/fleet-logs-$name
 rm -rf "$logs"
 timeout $(( ${SESSION_BUDGET_S:-570} - SECONDS )) python3 -m tidegate.benchmarks.cluster.fleet \
-  --redis-server .redisbin/run-redis-server --redis-cli .redisbin/run-redis-cli \
+  --redis-server "$PWD/.redisbin/run-redis-server" --redis-cli "$PWD/.redisbin/run-redis-cli" \
   --logdir "$logs" --out "$OUT/$name.json" "$@"
 status=$?
 tar czf "$OUT/$name-logs.tgz" -C "$logs" . 2>/dev/null

@@ -54,7 +54,7 @@ fi
 .redisbin/run-redis --version || exit 1
 loras=()
 for name in "${names[@]}"; do loras+=(--lora "$name=$ADAPTERS/$name"); done
-common=(--redis-server .redisbin/run-redis --device "${DEVICE:-cuda}" --model "random:$PRESET"
+common=(--redis-server "$PWD/.redisbin/run-redis" --device "${DEVICE:-cuda}" --model "random:$PRESET"
         --max-num-seqs 256 --max-num-batched-tokens 16384 --input-len 256 --output-len 256
         --client-procs 4 --startup-timeout-s 300 --plot "" --env "TIDEGATE_MAX_LORAS=$COUNT"
         "${loras[@]}")

@@ -46,7 +46,7 @@ if [[ -n "${PROFILE_S:-}" && -x .tools/py-spy ]]; then
 fi
 # Whatever is left of this run's budget (the call's 10 minutes by default, less a margin for
 # packing and the copy back; SESSION_BUDGET_S when a call chains several runs).
-timeout $(( ${SESSION_BUDGET_S:-570} - SECONDS )) python3 -m tidegate.benchmarks.serving.serve --redis-server .redisbin/run-redis \
+timeout $(( ${SESSION_BUDGET_S:-570} - SECONDS )) python3 -m tidegate.benchmarks.serving.serve --redis-server "$PWD/.redisbin/run-redis" \
   --logdir "$logs" --out "$OUT/$name.json" --plot "$OUT/$name.png" "$@"
 status=$?
 tar czf "$OUT/$name-logs.tgz" -C "$logs" . 2>/dev/null

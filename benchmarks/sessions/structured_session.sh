@@ -58,7 +58,7 @@ fi
 
 [[ $what == serve ]] || { echo "offline or serve, not $what"; exit 2; }
 .redisbin/run-redis --version || exit 1
-common=(--redis-server .redisbin/run-redis --device "${DEVICE:-cuda}" --model "$MODEL_DIR"
+common=(--redis-server "$PWD/.redisbin/run-redis" --device "${DEVICE:-cuda}" --model "$MODEL_DIR"
         --max-num-seqs 256 --max-num-batched-tokens 16384 --burst 1000 --input-len 256
         --output-len 256 --client-procs 4 --only burst --startup-timeout-s 300 --plot "" "$@")
 RESULTS=structured_serve_h200  # serve() writes $OUT/${RESULTS}_NAME.json

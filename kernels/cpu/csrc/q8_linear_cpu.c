@@ -44,8 +44,12 @@
  *   With AMX (Sapphire Rapids and later), 16 rows of x at a time take a block's integer sums
  *   from one tile instruction (tdpbsud: 16 x 16 outputs of 32 products each; the lanes'
  *   codes are already its second operand's layout), then the same float steps.
- * * AVX2 and portable C: rows decoded into codes, then one dot product per (row, step)
- *   (AVX2: 16-bit products summed by vpmaddwd; else plain C).
+ * * AVX2 (Zen 3 and other CPUs without AVX-512): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 go 8 weight rows
+ *   at a time, each row's block decoded with plain loads into a 256-bit vector, multiplied
+ *   with a row of x by vpmaddubsw (Q8_0's codes reach 255, so vpmaddwd on 16-bit halves),
+ *   the 8 rows' partial sums added into one vector (lane r: row r), and the float steps run
+ *   for the 8 outputs at once. Other formats, and portable C: rows decoded into codes, then
+ *   one dot product per (row, step).
  * TIDEGATE_NO_AMX, TIDEGATE_NO_AVX512 or TIDEGATE_PORTABLE (compile definitions) force the
  * slower paths, so the tests check them on a machine that has AMX.
  */
@@ -725,7 +729,7 @@ static int q8_linear(const struct row_source *src, const uint8_t *xbuf, float *y
 
 #else
 /* ---------------------------------------------------------------------------------------- */
-/* AVX2 and portable C: rows decoded into codes, one dot product per (row, step)            */
+/* AVX2 and portable C                                                                       */
 
 /* sum(c[i] * q[i]) over n (16 or 32) columns; exact. */
 static inline int32_t idot(const uint8_t *c, const int8_t *q, int n) {
@@ -761,6 +765,154 @@ static float row_dot(const uint8_t *c, const float *d, const float *m, int half,
     return accd + accm;
 }
 
+#if defined(Q8_AVX2)
+/* AVX2, blocks of 32 columns straight from the matrix (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): GROUP
+ * weight rows at a time, each row's block of codes decoded with plain loads into a 256-bit
+ * vector (column j in byte j), its integer dot product with a row of x as 8 partial sums
+ * (exact), and the GROUP rows' partial sums added into one vector, lane r for row r, so the
+ * float steps run for GROUP outputs at once, in the order the header defines. */
+#define GROUP 8
+
+static inline int direct_type(int t) {
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0;
+}
+
+static inline int64_t block_bytes(int t) {
+    return t == T_Q4_0 ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22 : t == T_Q5_1 ? 24 : 34;
+}
+
+/* One row's block at p: its 32 codes, column j in byte j (Q8_0: q + 128). */
+static inline __attribute__((always_inline)) __m256i block_codes(int t, const uint8_t *p) {
+    const __m128i lo = _mm_set1_epi8(0x0F);
+    if (t == T_Q8_0)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)),
+                                _mm256_set1_epi8((char)0x80));
+    const int five = t == T_Q5_0 || t == T_Q5_1, one = t == T_Q4_1 || t == T_Q5_1;
+    const uint8_t *qs = p + (one ? 4 : 2) + (five ? 4 : 0);
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo), _mm_and_si128(q, lo));
+    if (five) { /* bit j of the 32-bit qh is the fifth bit of column j */
+        uint32_t qh;
+        memcpy(&qh, p + (one ? 4 : 2), 4);
+        const __m256i spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32((int)qh),
+            _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                             3, 3, 3, 3, 3, 3, 3, 3));
+        const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        c = _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    }
+    return c;
+}
+
+/* The GROUP rows' d and m of block b (rows[r] points at row r's first block), widened from half
+ * floats exactly as decode_row's (m = -8 d, -16 d, -128 d where the format has no minimum). */
+static inline __attribute__((always_inline)) void block_scales(int t, const uint8_t *const *rows,
+                                                               int64_t b, __m256 *d, __m256 *m) {
+    const int64_t bb = block_bytes(t);
+    uint32_t w[GROUP];
+    for (int r = 0; r < GROUP; ++r) memcpy(&w[r], rows[r] + b * bb, 4);
+    const __m256i dm = _mm256_loadu_si256((const __m256i *)w);
+    const __m256i halves = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(dm, _mm256_set1_epi32(0xFFFF)),
+                            _mm256_srli_epi32(dm, 16)),
+        _MM_SHUFFLE(3, 1, 2, 0));
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    if (t == T_Q4_1 || t == T_Q5_1)
+        *m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+    else
+        *m = _mm256_mul_ps(*d, _mm256_set1_ps(t == T_Q4_0 ? -8.0f : t == T_Q5_0 ? -16.0f
+                                                                                  : -128.0f));
+}
+
+/* Lane r: the sum of s[r]'s 8 lanes (integers: exact in any order). */
+static inline __attribute__((always_inline)) __m256i lanes_of_sums(const __m256i *s) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* Block b's float steps for mr rows of x against a group's codes c[GROUP] and scales d, m. */
+static inline __attribute__((always_inline)) void group_block(
+    int t, const __m256i *c, __m256 d, __m256 m, const struct q8row *x, int mr, int64_t b,
+    __m256 *accd, __m256 *accm) {
+    for (int i = 0; i < mr; ++i) {
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)(x[i].q + 32 * b));
+        __m256i s[GROUP];
+        if (t == T_Q8_0) { /* codes up to 255: 16-bit products, as vpmaddubsw would saturate */
+            const __m256i xl = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(xq));
+            const __m256i xh = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(xq, 1));
+            for (int r = 0; r < GROUP; ++r)
+                s[r] = _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(c[r])), xl),
+                    _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(c[r], 1)), xh));
+        } else { /* codes up to 31: each pair of byte products fits 16 bits */
+            for (int r = 0; r < GROUP; ++r)
+                s[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(c[r], xq), _mm256_set1_epi16(1));
+        }
+        const __m256 i32 = _mm256_cvtepi32_ps(lanes_of_sums(s));
+        accd[i] = _mm256_fmadd_ps(i32, _mm256_mul_ps(d, _mm256_set1_ps(x[i].dx[b])), accd[i]);
+        accm[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[i].xs32[b]), accm[i]);
+    }
+}
+
+static inline __attribute__((always_inline)) void group_store(
+    const __m256 *accd, const __m256 *accm, int mr, int rows, float *y, const float *add,
+    int64_t ldy) {
+    for (int i = 0; i < mr; ++i) {
+        float v[GROUP];
+        _mm256_storeu_ps(v, _mm256_add_ps(accd[i], accm[i]));
+        for (int r = 0; r < rows; ++r) y[i * ldy + r] = add == NULL ? v[r] : v[r] + add[i * ldy + r];
+    }
+}
+
+/* m_dim rows of x against `rows` (up to GROUP) weight rows from base: up to DIRECT_ROWS rows
+ * of x straight from the decoded block; more through the group's codes decoded once into buf
+ * (k / 32 * GROUP vectors) and scales (2 * k / 32). */
+static inline __attribute__((always_inline)) void group_rows(
+    int t, const uint8_t *base, int64_t row_bytes, int rows, const uint8_t *xbuf, int64_t xrb,
+    int64_t m_dim, float *y, const float *add, int64_t ldy, int64_t k, __m256i *buf,
+    __m256 *scales) {
+    const uint8_t *row[GROUP];
+    const int64_t bb = block_bytes(t), blocks = k / 32;
+    for (int r = 0; r < GROUP; ++r) row[r] = base + (r < rows ? r : rows - 1) * row_bytes;
+    if (m_dim <= DIRECT_ROWS) {
+        struct q8row x[DIRECT_ROWS];
+        __m256 accd[DIRECT_ROWS], accm[DIRECT_ROWS];
+        for (int i = 0; i < m_dim; ++i) {
+            x[i] = q8_row(xbuf + i * xrb, k);
+            accd[i] = accm[i] = _mm256_setzero_ps();
+        }
+        for (int64_t b = 0; b < blocks; ++b) {
+            __m256i c[GROUP];
+            __m256 d, m;
+            for (int r = 0; r < GROUP; ++r) c[r] = block_codes(t, row[r] + b * bb);
+            block_scales(t, row, b, &d, &m);
+            group_block(t, c, d, m, x, (int)m_dim, b, accd, accm);
+        }
+        group_store(accd, accm, (int)m_dim, rows, y, add, ldy);
+        return;
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+        for (int r = 0; r < GROUP; ++r) buf[GROUP * b + r] = block_codes(t, row[r] + b * bb);
+        block_scales(t, row, b, &scales[2 * b], &scales[2 * b + 1]);
+    }
+    for (int64_t m0 = 0; m0 < m_dim; m0 += DIRECT_ROWS) {
+        const int mr = m_dim - m0 < DIRECT_ROWS ? (int)(m_dim - m0) : DIRECT_ROWS;
+        struct q8row x[DIRECT_ROWS];
+        __m256 accd[DIRECT_ROWS], accm[DIRECT_ROWS];
+        for (int i = 0; i < mr; ++i) {
+            x[i] = q8_row(xbuf + (m0 + i) * xrb, k);
+            accd[i] = accm[i] = _mm256_setzero_ps();
+        }
+        for (int64_t b = 0; b < blocks; ++b)
+            group_block(t, buf + GROUP * b, scales[2 * b], scales[2 * b + 1], x, mr, b, accd, accm);
+        group_store(accd, accm, mr, rows, y + m0 * ldy, add == NULL ? NULL : add + m0 * ldy, ldy);
+    }
+}
+#endif
+
 static int q8_linear(const struct row_source *src, const uint8_t *xbuf, float *y, const float *add,
                      int64_t m_dim, int64_t n_dim, int64_t k_dim, int64_t ldy, int num_threads) {
     const int64_t strips = (n_dim + STRIP - 1) / STRIP, xrb = tidegate_q8_row_bytes(k_dim);
@@ -773,11 +925,38 @@ static int q8_linear(const struct row_source *src, const uint8_t *xbuf, float *y
         uint8_t *codes = malloc((size_t)(STRIP * k_dim));
         float *dm = malloc((size_t)(2 * STRIP * steps) * sizeof(float));
         failed = codes == NULL || dm == NULL;
+#if defined(Q8_AVX2)
+        const int t = src->ggml_type, direct = direct_type(t);
+        __m256i *buf = NULL;
+        __m256 *scales = NULL;
+        if (direct && m_dim > DIRECT_ROWS) {
+            buf = aligned_alloc(32, (size_t)(k_dim / 32 * GROUP) * sizeof(__m256i));
+            scales = aligned_alloc(32, (size_t)(k_dim / 32 * 2) * sizeof(__m256));
+            failed |= buf == NULL || scales == NULL;
+        }
+#endif
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < strips; ++s) {
             if (failed) continue;
             const int64_t n0 = s * STRIP;
             const int rows = (int)(n_dim - n0 < STRIP ? n_dim - n0 : STRIP);
+#if defined(Q8_AVX2)
+            if (direct) {
+                for (int g = 0; g < rows; g += GROUP) {
+                    const int gr = rows - g < GROUP ? rows - g : GROUP;
+                    const uint8_t *base = src->w + (n0 + g) * src->row_bytes;
+                    const float *a = add == NULL ? NULL : add + n0 + g;
+                    switch (t) { /* one instance per type: the switch leaves the block loop */
+                    case T_Q4_0: group_rows(T_Q4_0, base, src->row_bytes, gr, xbuf, xrb, m_dim, y + n0 + g, a, ldy, k_dim, buf, scales); break;
+                    case T_Q4_1: group_rows(T_Q4_1, base, src->row_bytes, gr, xbuf, xrb, m_dim, y + n0 + g, a, ldy, k_dim, buf, scales); break;
+                    case T_Q5_0: group_rows(T_Q5_0, base, src->row_bytes, gr, xbuf, xrb, m_dim, y + n0 + g, a, ldy, k_dim, buf, scales); break;
+                    case T_Q5_1: group_rows(T_Q5_1, base, src->row_bytes, gr, xbuf, xrb, m_dim, y + n0 + g, a, ldy, k_dim, buf, scales); break;
+                    default: group_rows(T_Q8_0, base, src->row_bytes, gr, xbuf, xrb, m_dim, y + n0 + g, a, ldy, k_dim, buf, scales); break;
+                    }
+                }
+                continue;
+            }
+#endif
             for (int r = 0; r < rows; ++r)
                 decode_row(src, n0 + r, k_dim, codes + r * k_dim, dm + r * steps,
                            dm + (STRIP + r) * steps);
@@ -791,6 +970,10 @@ static int q8_linear(const struct row_source *src, const uint8_t *xbuf, float *y
                 }
             }
         }
+#if defined(Q8_AVX2)
+        free(buf);
+        free(scales);
+#endif
         free(codes);
         free(dm);
     }
