@@ -137,10 +137,14 @@ def test_every_constraint_kind(stack: tuple[str, str], stream: bool) -> None:
         ("Is 'I love it' positive?",
          {"type": "choice", "choices": ["positive", "negative", "neutral"]},
          lambda t: t in ("positive", "negative", "neutral")),
+        # At most three columns: the grammar itself ends the text. With (", " COL)* the end
+        # was the model's choice, and greedy decoding on an AVX2 CPU (other float rounding
+        # than AVX-512's) wrote "t, t, t, ..." until max_tokens.
         ("Write a SQL query that selects two columns from table t.",
          {"type": "grammar", "syntax": "lark",
-          "grammar": 'start: "SELECT " COL (", " COL)* " FROM t"\nCOL: /[a-z]{1,8}/'},
-         lambda t: re.fullmatch(r"SELECT [a-z]{1,8}(, [a-z]{1,8})* FROM t", t)),
+          "grammar": 'start: "SELECT " COL (", " COL)? (", " COL)? " FROM t"\n'
+                     'COL: /[a-z]{1,8}/'},
+         lambda t: re.fullmatch(r"SELECT [a-z]{1,8}(, [a-z]{1,8}){0,2} FROM t", t)),
         ("Will it rain?", {"type": "grammar", "syntax": "gbnf",
                            "grammar": 'root ::= "yes" | "no" | "maybe " [0-9]'},
          lambda t: re.fullmatch(r"yes|no|maybe [0-9]", t)),

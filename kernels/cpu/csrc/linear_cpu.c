@@ -7,10 +7,11 @@
  * memory exactly once, in order (the hardware prefetcher follows four sequential streams), and
  * reuses it from L1 for every row of x.
  *
- * Tiling: 6 weight rows x up to 4 rows of x, 24 accumulators of 16 floats each, so every load
- * of a weight vector feeds up to 4 FMAs and every load of an x vector 6 (the fastest of the
- * 4x4, 4x6, 6x4, 8x3 and 2x8 tiles measured here at 1, 8, 32 and 64 rows). Threads split the
- * weight rows (OpenMP, the runtime torch already loaded, same soname).
+ * Tiling (float_tile.h): with AVX-512, 6 weight rows x up to 4 rows of x, 24 accumulators of
+ * 16 floats each, so every load of a weight vector feeds up to 4 FMAs and every load of an x
+ * vector 6 (the fastest of the 4x4, 4x6, 6x4, 8x3 and 2x8 tiles measured at 1, 8, 32 and 64
+ * rows); with AVX2's 16 registers, 3 x 2 (the fastest of 2x2, 2x3, 3x2 and 4x2 on a Zen 3).
+ * Threads split the weight rows (OpenMP, the runtime torch already loaded, same soname).
  *
  * Layouts: x [M, K] with row stride ldx, w [N, K] contiguous, y [M, N] with row stride ldy;
  * float32. Summation order differs from BLAS: results agree to float32 rounding.

@@ -40,11 +40,67 @@ static inline v16 i8_to_f(i8x16 v) { return u8_to_f((u8x16)v ^ 0x80) - 128.0f; }
 
 static inline void store16(float *y, v16 v) { memcpy(y, &v, 64); }
 
+#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(TIDEGATE_PORTABLE)
+#include <immintrin.h>
+/* Without AVX-512, GCC scalarizes the 16-wide conversions above (byte by byte through the
+ * stack: a Q4_1 row dequantized at 1.5 G values/s on a Zen 3). The formats of the default
+ * models in 256-bit registers instead, with the same float operations (fused where the
+ * -ffp-contract=fast build fuses them). */
+#define DEQUANT_AVX2 1
+
+/* 16 bytes (column j in byte j) as floats into y[0..16). */
+static inline void u8x16_to_f(const __m128i q, float *y, __m256 d, __m256 m, int fma) {
+    const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+    const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
+    _mm256_storeu_ps(y, fma ? _mm256_fmadd_ps(a, d, m) : _mm256_mul_ps(_mm256_add_ps(a, m), d));
+    _mm256_storeu_ps(y + 8, fma ? _mm256_fmadd_ps(b, d, m) : _mm256_mul_ps(_mm256_add_ps(b, m), d));
+}
+
+/* A Q4_0 (one 0: (q - 8) * d) or Q4_1 (one 1: q * d + m) row into y[k]; one instance each. */
+static inline __attribute__((always_inline)) void q4_row_avx2(const uint8_t *src, int64_t k,
+                                                              float *y, const int one) {
+    const __m128i lo = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < k / 32; ++b, src += one ? 20 : 18, y += 32) {
+        const __m256 d = _mm256_set1_ps(rdh(src));
+        const __m256 m = _mm256_set1_ps(one ? rdh(src + 2) : -8.0f);
+        const __m128i q = _mm_loadu_si128((const __m128i *)(src + (one ? 4 : 2)));
+        u8x16_to_f(_mm_and_si128(q, lo), y, d, m, one);
+        u8x16_to_f(_mm_and_si128(_mm_srli_epi16(q, 4), lo), y + 16, d, m, one);
+    }
+}
+
+/* Q4_0, Q4_1 and Q8_0 rows into y[k]; -1 for other types. */
+static int dequant_row_avx2(int t, const uint8_t *src, int64_t k, float *y) {
+    switch (t) {
+    case T_Q4_0:
+        q4_row_avx2(src, k, y, 0);
+        return 0;
+    case T_Q4_1:
+        q4_row_avx2(src, k, y, 1);
+        return 0;
+    case T_Q8_0:
+        for (int64_t b = 0; b < k / 32; ++b, src += 34, y += 32) {
+            const __m256 d = _mm256_set1_ps(rdh(src));
+            for (int j = 0; j < 32; j += 8) {
+                const __m128i q = _mm_loadl_epi64((const __m128i *)(src + 2 + j));
+                _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+            }
+        }
+        return 0;
+    default:
+        return -1;
+    }
+}
+#endif
+
 
 
 /* One row of K values of type t from its packed bytes into y[K]. Returns 0, or -1 for an
  * unknown type. */
 static int dequant_row(int t, const uint8_t *src, int64_t k, float *y) {
+#if defined(DEQUANT_AVX2)
+    if (t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0) return dequant_row_avx2(t, src, k, y);
+#endif
     switch (t) {
     case T_F32:
         memcpy(y, src, (size_t)k * 4);
