@@ -39,6 +39,7 @@ from tidegate.benchmarks.harness.run.processes import (
     log_tail,
     spawn,
     stop_processes,
+    tree_cpu_seconds,
 )
 
 LLAMA_CPP_PYTHON = "0.3.36"
@@ -65,12 +66,16 @@ QUESTIONS = ["What is the capital of France? Answer in one sentence, please.",
              "What is two plus two?"]
 
 
+TOOLS = ("llama-server", "llama-perplexity")
+
+
 def llama_server(version: str = LLAMA_CPP_PYTHON) -> Path:
-    """The cached ``llama-server`` binary, built first if it is not there."""
+    """The cached ``llama-server`` binary (``llama-perplexity`` beside it), built first if
+    either is not there."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     root = cache / "tidegate" / "llama-server" / version / ("avx512" if cpu_has_avx512() else "avx2")
     binary = root / "bin" / "llama-server"
-    if binary.exists():
+    if all((root / "bin" / tool).exists() for tool in TOOLS):
         return binary
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,12 +87,12 @@ def llama_server(version: str = LLAMA_CPP_PYTHON) -> Path:
         source = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
         build = Path(tmp) / "build"
         subprocess.run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS], check=True)
-        subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j",
+        subprocess.run(["cmake", "--build", str(build), "--target", *TOOLS, "-j",
                         str(os.cpu_count() or 2)], check=True)
         (root / "bin").mkdir(exist_ok=True)
         built = build / "bin"
-        for item in built.iterdir():  # the server and the shared libraries it links
-            if item.name == "llama-server" or ".so" in item.name:
+        for item in built.iterdir():  # the tools and the shared libraries they link
+            if item.name in TOOLS or ".so" in item.name:
                 shutil.copy2(item, root / "bin" / item.name, follow_symlinks=True)
     return binary
 
@@ -99,6 +104,27 @@ class Round:
     requests: int
     completion_tokens: int
     wall_s: float
+    cpu_ms_per_token: dict[str, float]  # by process (role), over the round
+
+
+def role(argv: str) -> str:
+    """The part of a server a process plays, from its command line."""
+    for needle, name in (("redis-server", "redis-server"), ("tidegate batch-worker", "batch worker"),
+                         ("tidegate worker", "worker"), ("tidegate up", "api + gateway (up)"),
+                         ("llama-server", "llama-server")):
+        if needle in argv:
+            return name
+    return argv.split(" ", 1)[0]
+
+
+def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                tokens: int) -> dict[str, float]:
+    """CPU milliseconds per completion token of each role between two tree readings."""
+    spent: dict[str, float] = {}
+    for pid, (argv, seconds) in after.items():
+        name = role(argv)
+        spent[name] = spent.get(name, 0.0) + seconds - before.get(pid, (argv, 0.0))[1]
+    return {k: round(1000 * v / max(tokens, 1), 3) for k, v in sorted(spent.items())}
 
     @property
     def tok_s(self) -> float:
@@ -155,6 +181,37 @@ class Server:
         stop_processes([self.proc])
 
 
+def perplexity(binary: Path, gguf: Path, text: str, context: int, threads: int) -> dict:
+    """Perplexity of the default GGUF over ``text``, windows of ``context`` tokens with the
+    second half of each scored, by ``llama-perplexity`` and by ``tidegate eval-ppl`` (its
+    default path: packed weights, 8-bit activations), one after the other on the same cores."""
+    import re
+
+    env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
+    t0 = time.perf_counter()
+    done = subprocess.run([str(binary.parent / "llama-perplexity"), "-m", str(gguf), "-f", text,
+                           "-c", str(context), "-t", str(threads), "-b", str(context)],
+                          capture_output=True, text=True, env=env, check=False)
+    llama_s = time.perf_counter() - t0
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+    if done.returncode != 0 or found is None:
+        raise SystemExit(f"llama-perplexity failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    chunks = re.search(r"calculating perplexity over (\d+) chunks", done.stdout + done.stderr)
+    t0 = time.perf_counter()
+    ours = subprocess.run([sys.executable, "-m", "tidegate", "eval-ppl", "smollm2", "--text", text,
+                           "--context", str(context), "--json"], capture_output=True, text=True,
+                          env={**os.environ, "TIDEGATE_TORCH_THREADS": str(threads)}, check=False)
+    tidegate_s = time.perf_counter() - t0
+    if ours.returncode != 0:
+        raise SystemExit(f"tidegate eval-ppl failed:\n{ours.stderr[-3000:]}")
+    mine = json.loads(ours.stdout.strip().splitlines()[-1])
+    llama_ppl = float(found.group(1))
+    return {"text": text, "context": context, "llama_perplexity": llama_ppl,
+            "llama_chunks": int(chunks.group(1)) if chunks else None, "llama_s": round(llama_s, 1),
+            "tidegate_eval_ppl": mine, "tidegate_s": round(tidegate_s, 1),
+            "ratio": round(float(mine["ppl"]) / llama_ppl, 4)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,6 +223,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--tidegate-env", action="append", default=[], metavar="KEY=VALUE",
                     help="more environment for `tidegate up` (TIDEGATE_TORCH_THREADS=1, ...)")
+    ap.add_argument("--perplexity", metavar="TEXT",
+                    help="also score this text with llama-perplexity and tidegate eval-ppl")
+    ap.add_argument("--ppl-context", type=int, default=512)
+    ap.add_argument("--no-serve", action="store_true", help="only --perplexity")
     ap.add_argument("--logdir", default=None)
     ap.add_argument("--out", default="benchmarks/results/serving/vs_llama_server.json")
     args = ap.parse_args()
@@ -198,27 +259,37 @@ def main() -> None:
             logdir / "tidegate-up.log")
         return [llama, tidegate]
 
+    ppl = (perplexity(binary, gguf, args.perplexity, args.ppl_context, args.threads)
+           if args.perplexity else None)
+    if ppl:
+        print(f"perplexity: tidegate {ppl['tidegate_eval_ppl']['ppl']}, llama.cpp "
+              f"{ppl['llama_perplexity']}: {ppl['ratio']}x", flush=True)
     rounds: list[Round] = []
-    for r in range(args.repeats):
+    for r in range(0 if args.no_serve else args.repeats):
         order = servers() if r % 2 == 0 else servers()[::-1]
         for server in order:
             with server:
                 drive(server.base, server.model, 1, 1, 8)  # warm-up, unmeasured
                 for streams in args.streams:
                     n = max(4 if streams == 1 else 1, args.requests_per_stream) * streams
+                    cpu0 = tree_cpu_seconds(server.proc.pid)
                     tokens, wall = drive(server.base, server.model, streams, n, args.max_tokens)
-                    rounds.append(Round(server.name, streams, n, tokens, wall))
+                    cpu = cpu_by_role(cpu0, tree_cpu_seconds(server.proc.pid), tokens)
+                    rounds.append(Round(server.name, streams, n, tokens, wall, cpu))
                     print(f"round {r + 1}: {server.name}, {streams} stream(s): "
-                          f"{tokens / wall:.1f} tok/s ({tokens} tokens in {wall:.1f} s)",
-                          flush=True)
+                          f"{tokens / wall:.1f} tok/s ({tokens} tokens in {wall:.1f} s); CPU ms "
+                          f"per token: {cpu}", flush=True)
 
     table: dict[str, dict[str, object]] = {}
-    for streams in args.streams:
+    for streams in [] if args.no_serve else args.streams:
         row: dict[str, object] = {}
         for name in ("llama-server", "tidegate up"):
             runs = [x for x in rounds if x.server == name and x.streams == streams]
             row[name] = round(statistics.median(x.tok_s for x in runs), 1)
             row[f"{name} rounds"] = [round(x.tok_s, 1) for x in runs]
+            row[f"{name} cpu ms/token"] = {
+                k: round(statistics.median(x.cpu_ms_per_token.get(k, 0.0) for x in runs), 3)
+                for k in sorted({k for x in runs for k in x.cpu_ms_per_token})}
         row["ratio"] = round(row["tidegate up"] / row["llama-server"], 2)  # type: ignore[operator]
         table[f"{streams} stream(s)"] = row
         print(f"{streams} stream(s): tidegate up {row['tidegate up']} tok/s, llama-server "
@@ -227,7 +298,8 @@ def main() -> None:
               "machine": {**record.machine(), "cpu": record.cpu_model(), "threads": args.threads},
               "llama_cpp_python": LLAMA_CPP_PYTHON, "cmake_flags": CMAKE_FLAGS,
               "model": gguf.name, "max_tokens": args.max_tokens, "llama_server_slots": slots,
-              "tidegate_seats": seats, "tidegate_env": args.tidegate_env, "table": table, "rounds": [asdict(x) for x in rounds]}
+              "tidegate_seats": seats, "tidegate_env": args.tidegate_env, "table": table,
+              "rounds": [asdict(x) for x in rounds], "perplexity": ppl}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"results: {args.out}")
 

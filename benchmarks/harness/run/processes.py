@@ -64,6 +64,33 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """{pid: (command line, user + system CPU seconds so far)} of a process and every process
+    below it (a launcher's children: ``tidegate up``'s redis-server, worker, batch worker)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int(
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # exited meanwhile
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [p for p, pp in parents.items() if pp == parent and p not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    out: dict[int, tuple[str, float]] = {}
+    for p in tree:
+        try:
+            argv = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            out[p] = (argv, cpu_seconds(p))
+        except OSError:
+            continue
+    return out
+
+
 def http_ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as answer:
