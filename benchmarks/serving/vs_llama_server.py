@@ -106,6 +106,10 @@ class Round:
     wall_s: float
     cpu_ms_per_token: dict[str, float]  # by process (role), over the round
 
+    @property
+    def tok_s(self) -> float:
+        return self.completion_tokens / self.wall_s
+
 
 def role(argv: str) -> str:
     """The part of a server a process plays, from its command line."""
@@ -125,10 +129,6 @@ def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str
         name = role(argv)
         spent[name] = spent.get(name, 0.0) + seconds - before.get(pid, (argv, 0.0))[1]
     return {k: round(1000 * v / max(tokens, 1), 3) for k, v in sorted(spent.items())}
-
-    @property
-    def tok_s(self) -> float:
-        return self.completion_tokens / self.wall_s
 
 
 def post_json(url: str, body: dict, timeout: float = 600) -> dict:
@@ -212,6 +212,24 @@ def perplexity(binary: Path, gguf: Path, text: str, context: int, threads: int) 
             "ratio": round(float(mine["ppl"]) / llama_ppl, 4)}
 
 
+def summarize(rounds: list[Round], streams: list[int]) -> dict[str, dict[str, object]]:
+    """Per stream count: each server's median round (tok/s), its rounds, its median CPU
+    milliseconds per token by role, and tidegate's ratio to llama-server."""
+    table: dict[str, dict[str, object]] = {}
+    for n in streams:
+        row: dict[str, object] = {}
+        for name in ("llama-server", "tidegate up"):
+            runs = [x for x in rounds if x.server == name and x.streams == n]
+            row[name] = round(statistics.median(x.tok_s for x in runs), 1)
+            row[f"{name} rounds"] = [round(x.tok_s, 1) for x in runs]
+            row[f"{name} cpu ms/token"] = {
+                k: round(statistics.median(x.cpu_ms_per_token.get(k, 0.0) for x in runs), 3)
+                for k in sorted({k for x in runs for k in x.cpu_ms_per_token})}
+        row["ratio"] = round(row["tidegate up"] / row["llama-server"], 2)  # type: ignore[operator]
+        table[f"{n} stream(s)"] = row
+    return table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -280,19 +298,9 @@ def main() -> None:
                           f"{tokens / wall:.1f} tok/s ({tokens} tokens in {wall:.1f} s); CPU ms "
                           f"per token: {cpu}", flush=True)
 
-    table: dict[str, dict[str, object]] = {}
-    for streams in [] if args.no_serve else args.streams:
-        row: dict[str, object] = {}
-        for name in ("llama-server", "tidegate up"):
-            runs = [x for x in rounds if x.server == name and x.streams == streams]
-            row[name] = round(statistics.median(x.tok_s for x in runs), 1)
-            row[f"{name} rounds"] = [round(x.tok_s, 1) for x in runs]
-            row[f"{name} cpu ms/token"] = {
-                k: round(statistics.median(x.cpu_ms_per_token.get(k, 0.0) for x in runs), 3)
-                for k in sorted({k for x in runs for k in x.cpu_ms_per_token})}
-        row["ratio"] = round(row["tidegate up"] / row["llama-server"], 2)  # type: ignore[operator]
-        table[f"{streams} stream(s)"] = row
-        print(f"{streams} stream(s): tidegate up {row['tidegate up']} tok/s, llama-server "
+    table = summarize(rounds, [] if args.no_serve else args.streams)
+    for streams, row in table.items():
+        print(f"{streams}: tidegate up {row['tidegate up']} tok/s, llama-server "
               f"{row['llama-server']} tok/s: {row['ratio']}x", flush=True)
     report = {**record.record(),
               "machine": {**record.machine(), "cpu": record.cpu_model(), "threads": args.threads},

@@ -9,7 +9,7 @@ import sys
 import time
 
 from tidegate.benchmarks.harness.run.processes import tree_cpu_seconds
-from tidegate.benchmarks.serving.vs_llama_server import cpu_by_role, role
+from tidegate.benchmarks.serving.vs_llama_server import Round, cpu_by_role, role, summarize
 
 SPIN = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n"
 
@@ -48,3 +48,17 @@ def test_cpu_is_split_by_role_per_token() -> None:
     assert cpu_by_role(before, after, 500) == {
         "api + gateway (up)": 2.0, "batch worker": 0.5, "redis-server": 1.0, "worker": 8.0}
     assert role("/cache/bin/llama-server -m x.gguf") == "llama-server"
+
+
+def test_the_side_by_side_table_takes_each_servers_median_round() -> None:
+    rounds = [Round("llama-server", 1, 4, 512, 5.0, {"llama-server": 18.0}),
+              Round("tidegate up", 1, 4, 512, 4.0, {"worker": 10.0, "redis-server": 0.5}),
+              Round("llama-server", 1, 4, 512, 4.0, {"llama-server": 17.0}),
+              Round("tidegate up", 1, 4, 512, 2.0, {"worker": 8.0, "redis-server": 0.25}),
+              Round("llama-server", 1, 4, 512, 6.0, {"llama-server": 19.0}),
+              Round("tidegate up", 1, 4, 512, 8.0, {"worker": 12.0})]
+    row = summarize(rounds, [1])["1 stream(s)"]
+    assert row["llama-server"] == 102.4 and row["tidegate up"] == 128.0  # 512 / 5 s, 512 / 4 s
+    assert row["tidegate up rounds"] == [128.0, 256.0, 64.0] and row["ratio"] == 1.25
+    assert row["tidegate up cpu ms/token"] == {"redis-server": 0.25, "worker": 10.0}
+    assert row["llama-server cpu ms/token"] == {"llama-server": 18.0}

@@ -783,14 +783,17 @@ static inline int64_t block_bytes(int t) {
 
 /* One row's block at p: its 32 codes, column j in byte j (Q8_0: q + 128). */
 static inline __attribute__((always_inline)) __m256i block_codes(int t, const uint8_t *p) {
-    const __m128i lo = _mm_set1_epi8(0x0F);
     if (t == T_Q8_0)
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)),
                                 _mm256_set1_epi8((char)0x80));
     const int five = t == T_Q5_0 || t == T_Q5_1, one = t == T_Q4_1 || t == T_Q5_1;
     const uint8_t *qs = p + (one ? 4 : 2) + (five ? 4 : 0);
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
-    __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo), _mm_and_si128(q, lo));
+    /* The 16 bytes in both halves, the upper half shifted right by 4 within 64-bit lanes: a
+     * byte's high nibble lands in its low four bits (its neighbour's bits above them go with
+     * the mask), so one load, shift and mask give columns 0-15 below and 16-31 above. */
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    __m256i c = _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)),
+                                 _mm256_set1_epi8(0x0F));
     if (five) { /* bit j of the 32-bit qh is the fifth bit of column j */
         uint32_t qh;
         memcpy(&qh, p + (one ? 4 : 2), 4);
@@ -812,7 +815,10 @@ static inline __attribute__((always_inline)) void block_scales(int t, const uint
     const int64_t bb = block_bytes(t);
     uint32_t w[GROUP];
     for (int r = 0; r < GROUP; ++r) memcpy(&w[r], rows[r] + b * bb, 4);
-    const __m256i dm = _mm256_loadu_si256((const __m256i *)w);
+    /* Inserted lane by lane: eight 4-byte stores read back as one 32-byte load would stall on
+     * store forwarding. */
+    const __m256i dm = _mm256_setr_epi32((int)w[0], (int)w[1], (int)w[2], (int)w[3], (int)w[4],
+                                         (int)w[5], (int)w[6], (int)w[7]);
     const __m256i halves = _mm256_permute4x64_epi64(
         _mm256_packus_epi32(_mm256_and_si256(dm, _mm256_set1_epi32(0xFFFF)),
                             _mm256_srli_epi32(dm, 16)),
