@@ -6,10 +6,12 @@ OpenMP runtime on Linux) puts a team's threads to sleep on a futex almost at onc
 manages more threads than the process may use CPUs. A worker always does: torch's pool of the
 main thread, which loads the model, and the engine thread's own. On a 2-core machine each
 region then paid a futex wake-up, and `tidegate up` answered one stream at 35 tokens/s against
-56 with the threads spinning 200,000 times before they sleep (an AMD EPYC, the default model).
-``spin_between_regions`` asks for that (``OMP_WAIT_POLICY=active`` with a bounded
-``GOMP_SPINCOUNT``: an idle worker's threads still sleep), unless the operator set either; it
-must run before torch is imported, when libgomp reads its environment.
+58 with the threads spinning 200,000 times before they sleep and 66 with 20,000 (an AMD EPYC,
+the default model). ``spin_between_regions`` asks for the shorter spin (``OMP_WAIT_POLICY=active``
+with a bounded ``GOMP_SPINCOUNT``: between steps the threads soon sleep), unless the operator
+set either; it must run before torch is imported, when libgomp reads its environment. The
+longer spin took the cores from processes beside the worker: the test suite's 10,000-line
+batch, run beside another test, took 134 s with it against 43 s before.
 
 glibc's malloc serves large blocks with fresh mmap()s and returns them on free, so every step's
 multi-megabyte activations fault their pages in again (thousands of page faults per step). Raising
@@ -27,7 +29,7 @@ import sys
 
 log = logging.getLogger("tidegate.worker")
 
-SPIN_COUNT = "200000"  # about a millisecond of spinning on this class of CPU, then sleep
+SPIN_COUNT = "20000"  # tens of microseconds of spinning, then sleep
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
