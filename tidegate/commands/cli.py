@@ -173,9 +173,7 @@ def _check_device(device: str) -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from tidegate.model_files.model_source import ModelLoadError
-    from tidegate.worker.service.cpu_tuning import spin_between_regions
 
-    spin_between_regions()  # before torch loads libgomp
     settings = _settings(args)
     _check_models(settings, engine=True)
     # torch (~1.2 s of CPU) only once the arguments are known good: a mistyped flag is
