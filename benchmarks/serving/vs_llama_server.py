@@ -48,10 +48,7 @@ LLAMA_CPP_PYTHON = "0.3.36"
 def cpu_has_avx512() -> bool:
     """Whether this CPU runs AVX-512 (a Zen 3 or an older Intel has AVX2 alone: a build with
     ``-DGGML_AVX512=ON`` stops there on its first illegal instruction)."""
-    try:
-        return " avx512f " in f" {Path('/proc/cpuinfo').read_text()} ".replace("\n", " ")
-    except OSError:
-        return False
+    return "avx512f" in record.cpu_flags()
 
 
 # The issue's flags, with AVX-512 only where the CPU has it.

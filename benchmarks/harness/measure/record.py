@@ -37,6 +37,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags /proc/cpuinfo lists (``avx2``, ``avx512f``, ...); empty where
+    there is none to read."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
 def memory_gb() -> float | None:
     with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -79,7 +89,9 @@ def package_version(name: str) -> str | None:
 
 
 def machine() -> dict[str, object]:
-    return {"cpu_model": cpu_model(), "cpus": usable_cpus(), "cpu_count": os.cpu_count(),
+    # a CPU figure depends on which vector instructions the kernels were built for
+    simd = [f for f in ("avx2", "avx512f", "avx512_vnni", "amx_int8") if f in cpu_flags()]
+    return {"cpu_model": cpu_model(), "cpu_simd": simd, "cpus": usable_cpus(), "cpu_count": os.cpu_count(),
             "memory_gb": memory_gb(), "platform": platform.platform(),
             "kernel": platform.release(), "python": platform.python_version(),
             "torch": package_version("torch"), "gpu": gpu_name()}

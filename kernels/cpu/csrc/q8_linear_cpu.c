@@ -81,6 +81,17 @@
 #define STRIP 16      /* weight rows per strip: one per 32-bit lane of an AVX-512 vector */
 #define DIRECT_ROWS 4 /* rows of x up to which a block's codes are used straight from registers */
 
+/* fn(TYPE, ...) with the type a constant: one inlined instance per type, so that the switch on
+ * the type is taken once per strip and leaves the block loops. */
+#define PER_DIRECT_TYPE(t, fn, ...)                                                            \
+    switch (t) {                                                                               \
+    case T_Q4_0: fn(T_Q4_0, __VA_ARGS__); break;                                               \
+    case T_Q4_1: fn(T_Q4_1, __VA_ARGS__); break;                                               \
+    case T_Q5_0: fn(T_Q5_0, __VA_ARGS__); break;                                               \
+    case T_Q5_1: fn(T_Q5_1, __VA_ARGS__); break;                                               \
+    default: fn(T_Q8_0, __VA_ARGS__); break;                                                   \
+    }
+
 #if defined(Q8_AMX)
 static int amx_ready(void);
 #endif
@@ -678,23 +689,13 @@ static int q8_linear(const struct row_source *src, const uint8_t *xbuf, float *y
             const uint8_t *base = src->w + n0 * src->row_bytes;
             const float *a = add == NULL ? NULL : add + n0;
             if (direct && m_dim <= DIRECT_ROWS && by_rows) {
-                switch (t) { /* one instance per type, as below */
-                case T_Q4_0: strip_rows(T_Q4_0, base, src->row_bytes, rows, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
-                case T_Q4_1: strip_rows(T_Q4_1, base, src->row_bytes, rows, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
-                case T_Q5_0: strip_rows(T_Q5_0, base, src->row_bytes, rows, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
-                case T_Q5_1: strip_rows(T_Q5_1, base, src->row_bytes, rows, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
-                default: strip_rows(T_Q8_0, base, src->row_bytes, rows, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
-                }
+                PER_DIRECT_TYPE(t, strip_rows, base, src->row_bytes, rows, xbuf, xrb, (int)m_dim,
+                                y + n0, a, ldy, k_dim);
                 continue;
             }
             if (direct && m_dim <= DIRECT_ROWS) {
-                switch (t) { /* one instance per type: the switch leaves the block loop */
-                case T_Q4_0: strip_direct(T_Q4_0, base, idx, km, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
-                case T_Q4_1: strip_direct(T_Q4_1, base, idx, km, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
-                case T_Q5_0: strip_direct(T_Q5_0, base, idx, km, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
-                case T_Q5_1: strip_direct(T_Q5_1, base, idx, km, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
-                default: strip_direct(T_Q8_0, base, idx, km, xbuf, xrb, (int)m_dim, y + n0, a, ldy, k_dim); break;
-                }
+                PER_DIRECT_TYPE(t, strip_direct, base, idx, km, xbuf, xrb, (int)m_dim, y + n0, a,
+                                ldy, k_dim);
                 continue;
             }
             if (direct && by_rows) {
@@ -952,13 +953,8 @@ static int q8_linear(const struct row_source *src, const uint8_t *xbuf, float *y
                     const int gr = rows - g < GROUP ? rows - g : GROUP;
                     const uint8_t *base = src->w + (n0 + g) * src->row_bytes;
                     const float *a = add == NULL ? NULL : add + n0 + g;
-                    switch (t) { /* one instance per type: the switch leaves the block loop */
-                    case T_Q4_0: group_rows(T_Q4_0, base, src->row_bytes, gr, xbuf, xrb, m_dim, y + n0 + g, a, ldy, k_dim, buf, scales); break;
-                    case T_Q4_1: group_rows(T_Q4_1, base, src->row_bytes, gr, xbuf, xrb, m_dim, y + n0 + g, a, ldy, k_dim, buf, scales); break;
-                    case T_Q5_0: group_rows(T_Q5_0, base, src->row_bytes, gr, xbuf, xrb, m_dim, y + n0 + g, a, ldy, k_dim, buf, scales); break;
-                    case T_Q5_1: group_rows(T_Q5_1, base, src->row_bytes, gr, xbuf, xrb, m_dim, y + n0 + g, a, ldy, k_dim, buf, scales); break;
-                    default: group_rows(T_Q8_0, base, src->row_bytes, gr, xbuf, xrb, m_dim, y + n0 + g, a, ldy, k_dim, buf, scales); break;
-                    }
+                    PER_DIRECT_TYPE(t, group_rows, base, src->row_bytes, gr, xbuf, xrb, m_dim,
+                                    y + n0 + g, a, ldy, k_dim, buf, scales);
                 }
                 continue;
             }
