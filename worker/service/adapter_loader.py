@@ -26,6 +26,7 @@ from tidegate.adapter_registry import AdapterAnnouncement
 from tidegate.cancelling import cancel_and_wait
 from tidegate.redis_conn import control_pubsub
 from tidegate.worker.engine.engine import Engine
+from tidegate.worker.service.engine_thread import on_passing_thread
 
 log = logging.getLogger("tidegate.worker")
 
@@ -92,7 +93,8 @@ class AdapterLoader:
 
     async def _load(self, name: str, path: str) -> str | None:
         try:
-            await asyncio.to_thread(self.engine.add_adapter, name, path)
+            # not on the engine's thread: a step need not wait for the files
+            await on_passing_thread(self.engine.add_adapter, name, path)
         except Exception as exc:  # noqa: BLE001 - any reason a directory cannot load is the answer
             return str(exc) or type(exc).__name__
         log.info("adapter %s of %s loaded from %s", name, self.model, path)

@@ -6,8 +6,8 @@ heartbeats with the model's name and adapters. A process serving several models
 and worker id, in one event loop behind one status port (``serve``).
 
 The engine never waits for Redis. The main loop only applies stops, admits prepared jobs and
-runs engine steps (in a thread: torch releases the GIL); beside it run tasks for everything
-that talks to Redis: the intake (reading, reclaiming, claiming and tokenizing jobs while a
+runs engine steps (on the thread that built the engine, ``EngineThread``: torch releases the
+GIL); beside it run tasks for everything that talks to Redis: the intake (reading, reclaiming, claiming and tokenizing jobs while a
 step computes), the publisher's writer (a step's events are written while the next step runs),
 the cancel listener, heartbeats and visibility refreshes.
 
@@ -80,6 +80,7 @@ from tidegate.worker.service.arrivals import IDLE_BLOCK_MS, Arrival, ArrivalInta
 from tidegate.worker.service.cache_announcer import CacheAnnouncer
 from tidegate.worker.service.cancel_listener import CancelListener
 from tidegate.worker.service.cpu_tuning import keep_large_allocations
+from tidegate.worker.service.engine_thread import EngineThread
 from tidegate.worker.service.intake import Delivery, StreamIntake
 from tidegate.worker.service.metrics import ProcessMetrics, WorkerMetrics
 from tidegate.worker.service.migration import job_seed
@@ -119,9 +120,12 @@ class WorkerService:
         shedder: LoadShedder | None = None, metrics: WorkerMetrics | None = None,
         status: StatusServer | None = None, stream_interval_s: float = 0.0,
         prefix_routing: bool = False, steal_delay_ms: int = 200,
+        engine_thread: EngineThread | None = None,
     ) -> None:
         self.redis = redis
         self.engine = engine
+        # the thread the engine was built on, if it was (``EngineThread``)
+        self.engine_thread = engine_thread or EngineThread()
         self.model = model  # the served name
         self.metrics = metrics or WorkerMetrics(engine)
         self.status = status
@@ -267,7 +271,7 @@ class WorkerService:
         self._stop_jobs()
         self._admit_arrivals()
         if self.engine.has_unfinished():
-            outputs = await asyncio.to_thread(self._step)
+            outputs = await self.engine_thread.run(self._step)
             self.publisher.record(outputs, self.active)
             self._step_ended()
         else:
@@ -280,7 +284,7 @@ class WorkerService:
                         await self._work.wait()
 
     def _step(self) -> list[RequestOutput]:
-        """One engine step (in the step thread), its wall and CPU time counted."""
+        """One engine step (on the engine's thread), its wall and CPU time counted."""
         wall, cpu = time.perf_counter(), time.thread_time()
         outputs = timed_step(self.engine, self.shedder)
         self.metrics.step_cpu_seconds.inc(time.thread_time() - cpu)
@@ -673,6 +677,7 @@ async def serve(settings: Settings) -> int:
     finally:
         for service in services:  # a parallel worker's other ranks stop with it
             service.engine.close()
+            service.engine_thread.close()
         await redis.aclose()
         if status is not None:
             status.stop()
@@ -688,11 +693,12 @@ async def _model_service(settings: Settings, model: ServedModel, redis: aioredis
                          worker_id: str, status: StatusServer | None) -> WorkerService:
     """One model's engine (its own settings), calibrated, its configured adapters loaded."""
     own = model.settings(settings)
-    engine = build_engine(own)
+    thread = EngineThread(f"engine-{model.name}")
+    engine = await thread.run(build_engine, own)
     print(f"tidegate worker: {model.name}: {engine.kv_spec.describe()}", flush=True)
     shedder = LoadShedder(ShedderConfig(enabled=own.load_shedding, safety=own.shedding_safety))
-    calibrate(engine, shedder)
-    pace_steps(engine, shedder, own)
+    await thread.run(calibrate, engine, shedder)
+    await thread.run(pace_steps, engine, shedder, own)
     service = WorkerService(
         redis, engine, model=model.name, worker_id=worker_id,
         partitions=own.lane_partitions, retention=Retention.from_settings(own),
@@ -701,6 +707,7 @@ async def _model_service(settings: Settings, model: ServedModel, redis: aioredis
         shedder=shedder, metrics=WorkerMetrics(engine), status=status,
         stream_interval_s=own.stream_interval_ms / 1000,
         prefix_routing=own.prefix_routing, steal_delay_ms=own.steal_delay_ms,
+        engine_thread=thread,
     )
     await service.load_adapters(model.loras)
     return service
