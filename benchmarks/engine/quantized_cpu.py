@@ -16,7 +16,8 @@ Workloads (greedy; ``ignore_eos`` on tidegate's side, llama.cpp's generator neve
 Rounds alternate the runs (the host's speed drifts); each run's median round is reported.
 Once per invocation: the greedy tokens of 8 chat prompts x 48 tokens, 8-bit activations against
 the float32 engine (first divergence per prompt, ``tests/worker/engine/test_packed_engine.py``'s
-set), ``tidegate eval-ppl`` on --ppl-text in both activation modes (--no-ppl skips it), and
+set), ``tidegate eval-ppl`` on --ppl-text in both activation modes and llama.cpp's perplexity
+over the same token ids (--no-ppl skips them), and
 where a decode step's time goes at batch 32 and longer contexts (--no-attention skips it): the
 step, and the paged attention kernel alone over the same cache, with float32 and int8 KV.
 
@@ -162,6 +163,34 @@ def eval_ppl(text: str, activations: str, threads: int) -> dict[str, object]:
     if done.returncode != 0:
         raise SystemExit(f"eval-ppl failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp_ppl(gguf: Path, ids: list[int], context: int, threads: int) -> dict[str, object]:
+    """llama.cpp's perplexity over the token ids tidegate's tokenizer gives the text, windowed
+    and scored as ``tidegate eval-ppl`` does (the second half of each window). llama.cpp's
+    own tokenizer cuts some runs of whitespace differently (7,639 tokens against 7,658 on the
+    GPL-3 text), so ``llama-perplexity`` scores other windows: only the same ids compare the
+    numerics."""
+    import math
+
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(str(gguf), n_ctx=context, n_batch=context, n_ubatch=context, logits_all=True,
+                n_threads=threads, n_threads_batch=threads, verbose=False)
+    total, scored, first = 0.0, 0, context // 2
+    for w in range(len(ids) // context):
+        window = ids[w * context:(w + 1) * context]
+        llm.reset()
+        llm.eval(window)
+        logits = np.asarray(llm.scores[first:context - 1], dtype=np.float64)
+        targets = np.asarray(window[first + 1:])
+        top = logits.max(axis=1)
+        lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
+        total += float((lse - logits[np.arange(len(targets)), targets]).sum())
+        scored += len(targets)
+    return {"ppl": math.exp(total / scored), "nll": total / scored, "tokens_scored": scored,
+            "windows": len(ids) // context, "context": context}
 
 
 def decode_attention(loaded: LoadedModel, context: int, kv: str, batch: int = 32,
@@ -316,6 +345,11 @@ def main() -> None:
     if not args.no_ppl:
         report["eval_ppl"] = {mode: eval_ppl(args.ppl_text, mode, args.threads)
                               for mode in ("float", "int8")}
+        if llm is not None:
+            del llm  # its context's memory, before another
+            ids = packed.tokenizer.encode(Path(args.ppl_text).read_text(encoding="utf-8"))
+            report["eval_ppl"]["llama.cpp, the same tokens"] = llama_cpp_ppl(
+                packed.source.path, ids, 512, args.threads)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
         plot(report, args.plot)
