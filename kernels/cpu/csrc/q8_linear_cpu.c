@@ -286,6 +286,171 @@ static void decode_row(const struct row_source *src, int64_t r, int64_t k, uint8
     }
 }
 
+#if defined(Q8_LANES) || defined(Q8_AVX2)
+/* AVX2 (also the AVX-512 build's path on AMD for a few rows of x), blocks of 32 columns
+ * straight from the matrix (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): GROUP
+ * weight rows at a time, each row's block of codes decoded with plain loads into a 256-bit
+ * vector (column j in byte j), its integer dot product with a row of x as 8 partial sums
+ * (exact), and the GROUP rows' partial sums added into one vector, lane r for row r, so the
+ * float steps run for GROUP outputs at once, in the order the header defines. */
+#define GROUP 8
+
+static inline int direct_type(int t) {
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0;
+}
+
+static inline int64_t block_bytes(int t) {
+    return t == T_Q4_0 ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22 : t == T_Q5_1 ? 24 : 34;
+}
+
+/* One row's block at p: its 32 codes, column j in byte j (Q8_0: q + 128). */
+static inline __attribute__((always_inline)) __m256i block_codes(int t, const uint8_t *p) {
+    if (t == T_Q8_0)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)),
+                                _mm256_set1_epi8((char)0x80));
+    const int five = t == T_Q5_0 || t == T_Q5_1, one = t == T_Q4_1 || t == T_Q5_1;
+    const uint8_t *qs = p + (one ? 4 : 2) + (five ? 4 : 0);
+    /* The 16 bytes in both halves, the upper half shifted right by 4 within 64-bit lanes: a
+     * byte's high nibble lands in its low four bits (its neighbour's bits above them go with
+     * the mask), so one load, shift and mask give columns 0-15 below and 16-31 above. */
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    __m256i c = _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)),
+                                 _mm256_set1_epi8(0x0F));
+    if (five) { /* bit j of the 32-bit qh is the fifth bit of column j */
+        uint32_t qh;
+        memcpy(&qh, p + (one ? 4 : 2), 4);
+        const __m256i spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32((int)qh),
+            _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                             3, 3, 3, 3, 3, 3, 3, 3));
+        const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        c = _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    }
+    return c;
+}
+
+/* The GROUP rows' d and m of block b (rows[r] points at row r's first block), widened from half
+ * floats exactly as decode_row's (m = -8 d, -16 d, -128 d where the format has no minimum). */
+static inline __attribute__((always_inline)) void block_scales(int t, const uint8_t *const *rows,
+                                                               int64_t b, __m256 *d, __m256 *m) {
+    const int64_t bb = block_bytes(t);
+    uint32_t w[GROUP];
+    for (int r = 0; r < GROUP; ++r) memcpy(&w[r], rows[r] + b * bb, 4);
+    /* Inserted lane by lane: eight 4-byte stores read back as one 32-byte load would stall on
+     * store forwarding. */
+    const __m256i dm = _mm256_setr_epi32((int)w[0], (int)w[1], (int)w[2], (int)w[3], (int)w[4],
+                                         (int)w[5], (int)w[6], (int)w[7]);
+    const __m256i halves = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(dm, _mm256_set1_epi32(0xFFFF)),
+                            _mm256_srli_epi32(dm, 16)),
+        _MM_SHUFFLE(3, 1, 2, 0));
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    if (t == T_Q4_1 || t == T_Q5_1)
+        *m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+    else
+        *m = _mm256_mul_ps(*d, _mm256_set1_ps(t == T_Q4_0 ? -8.0f : t == T_Q5_0 ? -16.0f
+                                                                                  : -128.0f));
+}
+
+/* Lane r: the sum of s[r]'s 8 lanes (integers: exact in any order). */
+static inline __attribute__((always_inline)) __m256i lanes_of_sums(const __m256i *s) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* Block b's float steps for mr rows of x against a group's codes c[GROUP] and scales d, m. */
+static inline __attribute__((always_inline)) void group_block(
+    int t, const __m256i *c, __m256 d, __m256 m, const struct q8row *x, int mr, int64_t b,
+    __m256 *accd, __m256 *accm) {
+    for (int i = 0; i < mr; ++i) {
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)(x[i].q + 32 * b));
+        __m256i s[GROUP];
+#if defined(Q8_LANES) /* VNNI: four byte products into each 32-bit lane, exact for any code */
+        for (int r = 0; r < GROUP; ++r) s[r] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c[r], xq);
+#else
+        if (t == T_Q8_0) { /* codes up to 255: 16-bit products, as vpmaddubsw would saturate */
+            const __m256i xl = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(xq));
+            const __m256i xh = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(xq, 1));
+            for (int r = 0; r < GROUP; ++r)
+                s[r] = _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(c[r])), xl),
+                    _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(c[r], 1)), xh));
+        } else { /* codes up to 31: each pair of byte products fits 16 bits */
+            for (int r = 0; r < GROUP; ++r)
+                s[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(c[r], xq), _mm256_set1_epi16(1));
+        }
+#endif
+        const __m256 i32 = _mm256_cvtepi32_ps(lanes_of_sums(s));
+        accd[i] = _mm256_fmadd_ps(i32, _mm256_mul_ps(d, _mm256_set1_ps(x[i].dx[b])), accd[i]);
+        accm[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[i].xs32[b]), accm[i]);
+    }
+}
+
+static inline __attribute__((always_inline)) void group_store(
+    const __m256 *accd, const __m256 *accm, int mr, int rows, float *y, const float *add,
+    int64_t ldy) {
+    for (int i = 0; i < mr; ++i) {
+        float v[GROUP];
+        _mm256_storeu_ps(v, _mm256_add_ps(accd[i], accm[i]));
+        for (int r = 0; r < rows; ++r) y[i * ldy + r] = add == NULL ? v[r] : v[r] + add[i * ldy + r];
+    }
+}
+
+/* m_dim rows of x against `rows` (up to GROUP) weight rows from base: up to DIRECT_ROWS rows
+ * of x straight from the decoded block; more through the group's codes decoded once into buf
+ * (k / 32 * GROUP vectors) and scales (2 * k / 32). */
+static inline __attribute__((always_inline)) void group_rows(
+    int t, const uint8_t *base, int64_t row_bytes, int rows, const uint8_t *xbuf, int64_t xrb,
+    int64_t m_dim, float *y, const float *add, int64_t ldy, int64_t k, __m256i *buf,
+    __m256 *scales) {
+    const uint8_t *row[GROUP];
+    const int64_t bb = block_bytes(t), blocks = k / 32;
+    for (int r = 0; r < GROUP; ++r) row[r] = base + (r < rows ? r : rows - 1) * row_bytes;
+    if (m_dim <= DIRECT_ROWS) {
+        struct q8row x[DIRECT_ROWS];
+        __m256 accd[DIRECT_ROWS], accm[DIRECT_ROWS];
+        for (int i = 0; i < m_dim; ++i) {
+            x[i] = q8_row(xbuf + i * xrb, k);
+            accd[i] = accm[i] = _mm256_setzero_ps();
+        }
+        /* The next group's bytes, a few lines per block: its 8 rows are read block by block,
+         * across the rows, which the hardware's streaming prefetch does not follow ahead. */
+        const uint8_t *next = base + GROUP * row_bytes;
+        const int64_t lines = (GROUP * row_bytes + 63) / 64;
+        for (int64_t b = 0; b < blocks; ++b) {
+            __m256i c[GROUP];
+            __m256 d, m;
+            for (int64_t l = b * lines / blocks; l < (b + 1) * lines / blocks; ++l)
+                _mm_prefetch((const char *)(next + 64 * l), _MM_HINT_T0);
+            for (int r = 0; r < GROUP; ++r) c[r] = block_codes(t, row[r] + b * bb);
+            block_scales(t, row, b, &d, &m);
+            group_block(t, c, d, m, x, (int)m_dim, b, accd, accm);
+        }
+        group_store(accd, accm, (int)m_dim, rows, y, add, ldy);
+        return;
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+        for (int r = 0; r < GROUP; ++r) buf[GROUP * b + r] = block_codes(t, row[r] + b * bb);
+        block_scales(t, row, b, &scales[2 * b], &scales[2 * b + 1]);
+    }
+    for (int64_t m0 = 0; m0 < m_dim; m0 += DIRECT_ROWS) {
+        const int mr = m_dim - m0 < DIRECT_ROWS ? (int)(m_dim - m0) : DIRECT_ROWS;
+        struct q8row x[DIRECT_ROWS];
+        __m256 accd[DIRECT_ROWS], accm[DIRECT_ROWS];
+        for (int i = 0; i < mr; ++i) {
+            x[i] = q8_row(xbuf + (m0 + i) * xrb, k);
+            accd[i] = accm[i] = _mm256_setzero_ps();
+        }
+        for (int64_t b = 0; b < blocks; ++b)
+            group_block(t, buf + GROUP * b, scales[2 * b], scales[2 * b + 1], x, mr, b, accd, accm);
+        group_store(accd, accm, mr, rows, y + m0 * ldy, add == NULL ? NULL : add + m0 * ldy, ldy);
+    }
+}
+#endif
+
 /* ---------------------------------------------------------------------------------------- */
 /* AVX512-VNNI: 16 weight rows per vector                                                   */
 #if defined(Q8_LANES)
@@ -447,8 +612,11 @@ static inline __attribute__((always_inline)) void strip_direct(
         lanes_store(accd[i], accm[i], y + i * ldy, add == NULL ? NULL : add + i * ldy, km);
 }
 
-/* Whether up to DIRECT_ROWS rows of x go weight row by weight row (rows_block) rather than
- * through the gathered lanes (strip_direct): on AMD, unless a definition forces either. */
+/* Whether the weights' blocks are read row by row with plain loads rather than gathered into
+ * lanes (vpgatherdd, microcode on AMD): up to DIRECT_ROWS rows of x through group_rows for 4-
+ * and 5-bit codes (GROUP weight rows at a time, their sums in one vector: on Zen 4 1.6-1.9x the
+ * one-row-at-a-time dot products of strip_rows, the same bits) and strip_rows for Q8_0, more
+ * through rows_to_lanes. On AMD, unless a definition forces either. */
 static int rows_path(void) {
 #if defined(TIDEGATE_Q8_ROWS)
     return 1;
@@ -688,9 +856,20 @@ static int q8_linear(const struct row_source *src, const uint8_t *xbuf, float *y
             const __mmask16 km = (__mmask16)(rows == STRIP ? 0xFFFF : (1u << rows) - 1);
             const uint8_t *base = src->w + n0 * src->row_bytes;
             const float *a = add == NULL ? NULL : add + n0;
+            if (direct && m_dim <= DIRECT_ROWS && by_rows && t == T_Q8_0) {
+                /* byte codes: one row's dot product per block beats the group's shared steps
+                 * (the Q8_0 LM head 1.1-1.4 ms against 2.5 on Zen 4) */
+                strip_rows(T_Q8_0, base, src->row_bytes, rows, xbuf, xrb, (int)m_dim, y + n0, a,
+                           ldy, k_dim);
+                continue;
+            }
             if (direct && m_dim <= DIRECT_ROWS && by_rows) {
-                PER_DIRECT_TYPE(t, strip_rows, base, src->row_bytes, rows, xbuf, xrb, (int)m_dim,
-                                y + n0, a, ldy, k_dim);
+                for (int g = 0; g < rows; g += GROUP) {
+                    const int gr = rows - g < GROUP ? rows - g : GROUP;
+                    PER_DIRECT_TYPE(t, group_rows, base + g * src->row_bytes, src->row_bytes, gr,
+                                    xbuf, xrb, m_dim, y + n0 + g, a == NULL ? NULL : a + g, ldy,
+                                    k_dim, NULL, NULL);
+                }
                 continue;
             }
             if (direct && m_dim <= DIRECT_ROWS) {
@@ -766,159 +945,6 @@ static float row_dot(const uint8_t *c, const float *d, const float *m, int half,
     return accd + accm;
 }
 
-#if defined(Q8_AVX2)
-/* AVX2, blocks of 32 columns straight from the matrix (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): GROUP
- * weight rows at a time, each row's block of codes decoded with plain loads into a 256-bit
- * vector (column j in byte j), its integer dot product with a row of x as 8 partial sums
- * (exact), and the GROUP rows' partial sums added into one vector, lane r for row r, so the
- * float steps run for GROUP outputs at once, in the order the header defines. */
-#define GROUP 8
-
-static inline int direct_type(int t) {
-    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0;
-}
-
-static inline int64_t block_bytes(int t) {
-    return t == T_Q4_0 ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22 : t == T_Q5_1 ? 24 : 34;
-}
-
-/* One row's block at p: its 32 codes, column j in byte j (Q8_0: q + 128). */
-static inline __attribute__((always_inline)) __m256i block_codes(int t, const uint8_t *p) {
-    if (t == T_Q8_0)
-        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)),
-                                _mm256_set1_epi8((char)0x80));
-    const int five = t == T_Q5_0 || t == T_Q5_1, one = t == T_Q4_1 || t == T_Q5_1;
-    const uint8_t *qs = p + (one ? 4 : 2) + (five ? 4 : 0);
-    /* The 16 bytes in both halves, the upper half shifted right by 4 within 64-bit lanes: a
-     * byte's high nibble lands in its low four bits (its neighbour's bits above them go with
-     * the mask), so one load, shift and mask give columns 0-15 below and 16-31 above. */
-    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
-    __m256i c = _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)),
-                                 _mm256_set1_epi8(0x0F));
-    if (five) { /* bit j of the 32-bit qh is the fifth bit of column j */
-        uint32_t qh;
-        memcpy(&qh, p + (one ? 4 : 2), 4);
-        const __m256i spread = _mm256_shuffle_epi8(
-            _mm256_set1_epi32((int)qh),
-            _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
-                             3, 3, 3, 3, 3, 3, 3, 3));
-        const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-        c = _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
-    }
-    return c;
-}
-
-/* The GROUP rows' d and m of block b (rows[r] points at row r's first block), widened from half
- * floats exactly as decode_row's (m = -8 d, -16 d, -128 d where the format has no minimum). */
-static inline __attribute__((always_inline)) void block_scales(int t, const uint8_t *const *rows,
-                                                               int64_t b, __m256 *d, __m256 *m) {
-    const int64_t bb = block_bytes(t);
-    uint32_t w[GROUP];
-    for (int r = 0; r < GROUP; ++r) memcpy(&w[r], rows[r] + b * bb, 4);
-    /* Inserted lane by lane: eight 4-byte stores read back as one 32-byte load would stall on
-     * store forwarding. */
-    const __m256i dm = _mm256_setr_epi32((int)w[0], (int)w[1], (int)w[2], (int)w[3], (int)w[4],
-                                         (int)w[5], (int)w[6], (int)w[7]);
-    const __m256i halves = _mm256_permute4x64_epi64(
-        _mm256_packus_epi32(_mm256_and_si256(dm, _mm256_set1_epi32(0xFFFF)),
-                            _mm256_srli_epi32(dm, 16)),
-        _MM_SHUFFLE(3, 1, 2, 0));
-    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
-    if (t == T_Q4_1 || t == T_Q5_1)
-        *m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
-    else
-        *m = _mm256_mul_ps(*d, _mm256_set1_ps(t == T_Q4_0 ? -8.0f : t == T_Q5_0 ? -16.0f
-                                                                                  : -128.0f));
-}
-
-/* Lane r: the sum of s[r]'s 8 lanes (integers: exact in any order). */
-static inline __attribute__((always_inline)) __m256i lanes_of_sums(const __m256i *s) {
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
-                            _mm256_permute2x128_si256(a, b, 0x31));
-}
-
-/* Block b's float steps for mr rows of x against a group's codes c[GROUP] and scales d, m. */
-static inline __attribute__((always_inline)) void group_block(
-    int t, const __m256i *c, __m256 d, __m256 m, const struct q8row *x, int mr, int64_t b,
-    __m256 *accd, __m256 *accm) {
-    for (int i = 0; i < mr; ++i) {
-        const __m256i xq = _mm256_loadu_si256((const __m256i *)(x[i].q + 32 * b));
-        __m256i s[GROUP];
-        if (t == T_Q8_0) { /* codes up to 255: 16-bit products, as vpmaddubsw would saturate */
-            const __m256i xl = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(xq));
-            const __m256i xh = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(xq, 1));
-            for (int r = 0; r < GROUP; ++r)
-                s[r] = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(c[r])), xl),
-                    _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(c[r], 1)), xh));
-        } else { /* codes up to 31: each pair of byte products fits 16 bits */
-            for (int r = 0; r < GROUP; ++r)
-                s[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(c[r], xq), _mm256_set1_epi16(1));
-        }
-        const __m256 i32 = _mm256_cvtepi32_ps(lanes_of_sums(s));
-        accd[i] = _mm256_fmadd_ps(i32, _mm256_mul_ps(d, _mm256_set1_ps(x[i].dx[b])), accd[i]);
-        accm[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[i].xs32[b]), accm[i]);
-    }
-}
-
-static inline __attribute__((always_inline)) void group_store(
-    const __m256 *accd, const __m256 *accm, int mr, int rows, float *y, const float *add,
-    int64_t ldy) {
-    for (int i = 0; i < mr; ++i) {
-        float v[GROUP];
-        _mm256_storeu_ps(v, _mm256_add_ps(accd[i], accm[i]));
-        for (int r = 0; r < rows; ++r) y[i * ldy + r] = add == NULL ? v[r] : v[r] + add[i * ldy + r];
-    }
-}
-
-/* m_dim rows of x against `rows` (up to GROUP) weight rows from base: up to DIRECT_ROWS rows
- * of x straight from the decoded block; more through the group's codes decoded once into buf
- * (k / 32 * GROUP vectors) and scales (2 * k / 32). */
-static inline __attribute__((always_inline)) void group_rows(
-    int t, const uint8_t *base, int64_t row_bytes, int rows, const uint8_t *xbuf, int64_t xrb,
-    int64_t m_dim, float *y, const float *add, int64_t ldy, int64_t k, __m256i *buf,
-    __m256 *scales) {
-    const uint8_t *row[GROUP];
-    const int64_t bb = block_bytes(t), blocks = k / 32;
-    for (int r = 0; r < GROUP; ++r) row[r] = base + (r < rows ? r : rows - 1) * row_bytes;
-    if (m_dim <= DIRECT_ROWS) {
-        struct q8row x[DIRECT_ROWS];
-        __m256 accd[DIRECT_ROWS], accm[DIRECT_ROWS];
-        for (int i = 0; i < m_dim; ++i) {
-            x[i] = q8_row(xbuf + i * xrb, k);
-            accd[i] = accm[i] = _mm256_setzero_ps();
-        }
-        for (int64_t b = 0; b < blocks; ++b) {
-            __m256i c[GROUP];
-            __m256 d, m;
-            for (int r = 0; r < GROUP; ++r) c[r] = block_codes(t, row[r] + b * bb);
-            block_scales(t, row, b, &d, &m);
-            group_block(t, c, d, m, x, (int)m_dim, b, accd, accm);
-        }
-        group_store(accd, accm, (int)m_dim, rows, y, add, ldy);
-        return;
-    }
-    for (int64_t b = 0; b < blocks; ++b) {
-        for (int r = 0; r < GROUP; ++r) buf[GROUP * b + r] = block_codes(t, row[r] + b * bb);
-        block_scales(t, row, b, &scales[2 * b], &scales[2 * b + 1]);
-    }
-    for (int64_t m0 = 0; m0 < m_dim; m0 += DIRECT_ROWS) {
-        const int mr = m_dim - m0 < DIRECT_ROWS ? (int)(m_dim - m0) : DIRECT_ROWS;
-        struct q8row x[DIRECT_ROWS];
-        __m256 accd[DIRECT_ROWS], accm[DIRECT_ROWS];
-        for (int i = 0; i < mr; ++i) {
-            x[i] = q8_row(xbuf + (m0 + i) * xrb, k);
-            accd[i] = accm[i] = _mm256_setzero_ps();
-        }
-        for (int64_t b = 0; b < blocks; ++b)
-            group_block(t, buf + GROUP * b, scales[2 * b], scales[2 * b + 1], x, mr, b, accd, accm);
-        group_store(accd, accm, mr, rows, y + m0 * ldy, add == NULL ? NULL : add + m0 * ldy, ldy);
-    }
-}
-#endif
 
 static int q8_linear(const struct row_source *src, const uint8_t *xbuf, float *y, const float *add,
                      int64_t m_dim, int64_t n_dim, int64_t k_dim, int64_t ldy, int num_threads) {
