@@ -173,7 +173,6 @@ def llama_cpp_ppl(gguf: Path, ids: list[int], context: int, threads: int) -> dic
     numerics."""
     import math
 
-    import numpy as np
     from llama_cpp import Llama
 
     llm = Llama(str(gguf), n_ctx=context, n_batch=context, n_ubatch=context, logits_all=True,
@@ -183,12 +182,11 @@ def llama_cpp_ppl(gguf: Path, ids: list[int], context: int, threads: int) -> dic
         window = ids[w * context:(w + 1) * context]
         llm.reset()
         llm.eval(window)
-        logits = np.asarray(llm.scores[first:context - 1], dtype=np.float64)
-        targets = np.asarray(window[first + 1:])
-        top = logits.max(axis=1)
-        lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
-        total += float((lse - logits[np.arange(len(targets)), targets]).sum())
-        scored += len(targets)
+        logits = torch.from_numpy(llm.scores[first:context - 1]).double()
+        targets = torch.tensor(window[first + 1:])
+        # as tidegate.worker.models.perplexity scores its windows
+        total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+        scored += targets.numel()
     return {"ppl": math.exp(total / scored), "nll": total / scored, "tokens_scored": scored,
             "windows": len(ids) // context, "context": context}
 

@@ -31,10 +31,8 @@ class EngineThread:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
 
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """``fn(*args, **kwargs)`` on the engine's thread (in the caller's context, as
-        ``asyncio.to_thread`` runs it)."""
-        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        """``fn(*args, **kwargs)`` on the engine's thread."""
+        return await _submit(self._pool, fn, *args, **kwargs)
 
     def close(self) -> None:
         """End the thread once the call it runs (if any) returns."""
@@ -46,7 +44,13 @@ async def on_passing_thread(fn: Callable[P, T], *args: P.args, **kwargs: P.kwarg
     outlives the call."""
     pool = ThreadPoolExecutor(1, thread_name_prefix="passing")
     try:
-        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(pool, call)
+        return await _submit(pool, fn, *args, **kwargs)
     finally:
         pool.shutdown(wait=False)
+
+
+async def _submit(pool: ThreadPoolExecutor, fn: Callable[P, T], *args: P.args,
+                  **kwargs: P.kwargs) -> T:
+    """``fn`` on ``pool`` in a copy of the caller's context, as ``asyncio.to_thread`` runs it."""
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(pool, call)

@@ -295,6 +295,7 @@ static void decode_row(const struct row_source *src, int64_t r, int64_t k, uint8
  * float steps run for GROUP outputs at once, in the order the header defines. */
 #define GROUP 8
 
+/* Whether a type's blocks are read straight from the matrix (else: decode_row first). */
 static inline int direct_type(int t) {
     return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0;
 }
@@ -319,6 +320,9 @@ static inline __attribute__((always_inline)) __m256i block_codes(int t, const ui
     if (five) { /* bit j of the 32-bit qh is the fifth bit of column j */
         uint32_t qh;
         memcpy(&qh, p + (one ? 4 : 2), 4);
+#if defined(Q8_LANES) /* AVX512-BW: qh is the byte mask */
+        return _mm256_or_si256(c, _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(0x10)));
+#else
         const __m256i spread = _mm256_shuffle_epi8(
             _mm256_set1_epi32((int)qh),
             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
@@ -326,6 +330,7 @@ static inline __attribute__((always_inline)) __m256i block_codes(int t, const ui
         const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
         const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
         c = _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+#endif
     }
     return c;
 }
@@ -489,11 +494,6 @@ static inline __m512i fifth_bits(__m512i qh, int shift) {
     return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(rep, bits), _mm512_set1_epi8(0x10));
 }
 
-/* Whether a type's blocks are gathered straight from the matrix (else: decode_row first). */
-static inline int gathers_direct(int t) {
-    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0;
-}
-
 /* Block b of the strip starting at base (lane r: row r, idx = r * row_bytes). The d and m
  * computed here equal decode_row's bit for bit (half floats widened, times -8, -16, -128). */
 static inline __attribute__((always_inline)) void gather_block(int t, const uint8_t *base,
@@ -642,39 +642,11 @@ static inline float half_to_float(const uint8_t *p) {
  * and the step's d and m, equal to gather_block's bit for bit. */
 static inline __attribute__((always_inline)) __m256i rows_block(int t, const uint8_t *row,
                                                                 int64_t b, float *d, float *m) {
-    switch (t) {
-    case T_Q4_0:
-    case T_Q4_1: {
-        const int one = t == T_Q4_1;
-        const uint8_t *p = row + b * (one ? 20 : 18);
-        *d = half_to_float(p);
-        *m = one ? half_to_float(p + 2) : *d * -8.0f;
-        const __m128i qs = _mm_loadu_si128((const __m128i *)(p + (one ? 4 : 2)));
-        const __m128i lo = _mm_set1_epi8(0x0F);
-        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo), _mm_and_si128(qs, lo));
-    }
-    case T_Q5_0:
-    case T_Q5_1: {
-        const int one = t == T_Q5_1;
-        const uint8_t *p = row + b * (one ? 24 : 22), *h = p + (one ? 4 : 2);
-        *d = half_to_float(p);
-        *m = one ? half_to_float(p + 2) : *d * -16.0f;
-        uint32_t qh;
-        memcpy(&qh, h, 4);
-        const __m128i qs = _mm_loadu_si128((const __m128i *)(h + 4));
-        const __m128i lo = _mm_set1_epi8(0x0F);
-        const __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo),
-                                           _mm_and_si128(qs, lo));
-        return _mm256_or_si256(c, _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(0x10)));
-    }
-    default: { /* T_Q8_0 */
-        const uint8_t *p = row + 34 * b;
-        *d = half_to_float(p);
-        *m = *d * -128.0f;
-        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)),
-                                _mm256_set1_epi8((char)0x80));
-    }
-    }
+    const uint8_t *p = row + b * block_bytes(t);
+    *d = half_to_float(p);
+    *m = t == T_Q4_1 || t == T_Q5_1 ? half_to_float(p + 2)
+                                    : *d * (t == T_Q4_0 ? -8.0f : t == T_Q5_0 ? -16.0f : -128.0f);
+    return block_codes(t, p);
 }
 
 /* Block b of a strip into lanes without gathering from the matrix: each of its rows decoded
@@ -825,7 +797,7 @@ static int q8_linear(const struct row_source *src, const uint8_t *xbuf, float *y
 #else
     const int64_t amx_rows = 0;
 #endif
-    const int t = src->ggml_type, direct = gathers_direct(t), by_rows = rows_path();
+    const int t = src->ggml_type, direct = direct_type(t), by_rows = rows_path();
     const int64_t steps = src->half ? k_dim / 16 : k_dim / 32;
     int failed = 0;
     if (num_threads < 1) num_threads = 1;
