@@ -7,6 +7,10 @@ a socket timeout, which ``tidegate.redis_conn`` always sets, so one ``cancel()``
 the middle of a Redis command is sometimes dropped and the task runs on (117 of 400 in a probe):
 a relay kept streaming after refusing a frame, a watcher outlived its client. Cancelling again
 ends it, since each loss needs the same race once more.
+
+``tidegate.redis_cancellation`` now raises the cancellation redis-py's send loses, so a single
+``cancel()`` (arq's on SIGTERM, a library's) ends such a task; this helper still guards the
+awaits of other libraries that 3.11's ``wait_for`` wraps.
 """
 
 from __future__ import annotations

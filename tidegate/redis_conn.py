@@ -39,6 +39,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
 
 from tidegate.cluster_client import ClusterClient
+from tidegate.redis_cancellation import keep_cancellation
+
+# Every process that talks to Redis through this module: a cancelled task stops at its next
+# command on Python 3.11 too.
+keep_cancellation()
 
 # The URL schemes that name a cluster, and the per-node scheme each stands for.
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
