@@ -51,6 +51,7 @@ from tidegate.kernels import ops
 from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model  # noqa: E402
+from tidegate.worker.models.perplexity import score_windows
 from tidegate.worker.service.cpu_tuning import keep_large_allocations  # noqa: E402
 
 QUESTION = "What is the capital of France? Answer in one sentence, please."
@@ -166,29 +167,21 @@ def eval_ppl(text: str, activations: str, threads: int) -> dict[str, object]:
 
 
 def llama_cpp_ppl(gguf: Path, ids: list[int], context: int, threads: int) -> dict[str, object]:
-    """llama.cpp's perplexity over the token ids tidegate's tokenizer gives the text, windowed
-    and scored as ``tidegate eval-ppl`` does (the second half of each window). llama.cpp's
-    own tokenizer cuts some runs of whitespace differently (7,639 tokens against 7,658 on the
-    GPL-3 text), so ``llama-perplexity`` scores other windows: only the same ids compare the
-    numerics."""
-    import math
-
+    """llama.cpp's perplexity over the token ids tidegate's tokenizer gives the text, in the
+    windows ``tidegate eval-ppl`` scores (``score_windows``). llama.cpp's own tokenizer cuts some
+    runs of whitespace differently (7,639 tokens against 7,658 on the GPL-3 text), so
+    ``llama-perplexity`` scores other windows: only the same ids compare the numerics."""
     from llama_cpp import Llama
 
     llm = Llama(str(gguf), n_ctx=context, n_batch=context, n_ubatch=context, logits_all=True,
                 n_threads=threads, n_threads_batch=threads, verbose=False)
-    total, scored, first = 0.0, 0, context // 2
-    for w in range(len(ids) // context):
-        window = ids[w * context:(w + 1) * context]
+
+    def logits_of(window: torch.Tensor, first: int) -> torch.Tensor:
         llm.reset()
-        llm.eval(window)
-        logits = torch.from_numpy(llm.scores[first:context - 1]).double()
-        targets = torch.tensor(window[first + 1:])
-        # as tidegate.worker.models.perplexity scores its windows
-        total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
-        scored += targets.numel()
-    return {"ppl": math.exp(total / scored), "nll": total / scored, "tokens_scored": scored,
-            "windows": len(ids) // context, "context": context}
+        llm.eval(window.tolist())
+        return torch.from_numpy(llm.scores[first:len(window) - 1])
+
+    return asdict(score_windows(ids, logits_of, context=context))
 
 
 def decode_attention(loaded: LoadedModel, context: int, kv: str, batch: int = 32,

@@ -35,6 +35,20 @@ def perplexity(model: DecoderModel, ids: Sequence[int], *, context: int = 512,
 
     A text shorter than one window is one window of its own length. Raises ``ValueError``
     for fewer than 2 tokens or a context below 2."""
+
+    def logits_of(window: torch.Tensor, first: int) -> torch.Tensor:
+        hidden = model(window, torch.arange(len(window)), CausalAttention())
+        return model.compute_logits(hidden[first:-1])
+
+    return score_windows(ids, logits_of, context=context, progress=progress)
+
+
+def score_windows(ids: Sequence[int], logits_of: Callable[[torch.Tensor, int], torch.Tensor],
+                  *, context: int = 512, progress: Callable[[int, int], None] | None = None
+                  ) -> Perplexity:
+    """The windows and their scoring, whatever computes the logits: ``logits_of(window,
+    first)`` gives the logits at positions ``first`` .. the window's last but one (a
+    benchmark scores llama.cpp's logits this way). Raises as ``perplexity`` does."""
     if context < 2:
         raise ValueError("context must be at least 2 tokens")
     if len(ids) < 2:
@@ -45,9 +59,8 @@ def perplexity(model: DecoderModel, ids: Sequence[int], *, context: int = 512,
     total, scored = 0.0, 0
     for w in range(windows):
         window = torch.tensor(ids[w * context:(w + 1) * context])
-        hidden = model(window, torch.arange(context), CausalAttention())
         first = context // 2  # the first scored position's logits predict token first + 1
-        logits = model.compute_logits(hidden[first:-1]).double()
+        logits = logits_of(window, first).double()
         targets = window[first + 1:]
         nll = torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
         total += nll

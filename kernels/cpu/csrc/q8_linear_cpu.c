@@ -358,6 +358,14 @@ static inline __attribute__((always_inline)) void block_scales(int t, const uint
                                                                                   : -128.0f));
 }
 
+/* The sum of v's 8 lanes. */
+static inline int32_t hsum8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
 /* Lane r: the sum of s[r]'s 8 lanes (integers: exact in any order). */
 static inline __attribute__((always_inline)) __m256i lanes_of_sums(const __m256i *s) {
     const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
@@ -666,13 +674,6 @@ static inline __attribute__((always_inline)) void rows_to_lanes(
     L->m[0] = _mm512_maskz_loadu_ps(km, m);
 }
 
-static inline int32_t hsum8(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
 /* Up to DIRECT_ROWS rows of x against a strip's `rows` weight rows, one weight row at a time. */
 static inline __attribute__((always_inline)) void strip_rows(
     int t, const uint8_t *base, int64_t row_bytes, int rows, const uint8_t *xbuf, int64_t xrb,
@@ -892,10 +893,7 @@ static inline int32_t idot(const uint8_t *c, const int8_t *q, int n) {
         const __m256i qw = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + i)));
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(cw, qw));
     }
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
+    return hsum8(acc);
 #else
     int32_t s = 0;
     for (int i = 0; i < n; ++i) s += (int32_t)c[i] * (int32_t)q[i];
