@@ -38,7 +38,7 @@ from tidegate.kernels.weights.fp8_weight import Fp8Weight
 from tidegate.kernels.weights.int_weight import IntWeight
 from tidegate.kernels.weights.packed_weight import PackedWeight
 
-__all__ = ["add_lora", "apply_token_bitmask", "decoder_layer", "decoder_layers", "embedding", "fuses_projections",
+__all__ = ["add_lora", "apply_token_bitmask", "cpu_layout", "decoder_layer", "decoder_layers", "embedding", "fuses_projections",
            "gelu_and_mul", "linear", "lora_rows", "moe", "norm_linear", "norm_project",
            "paged_attention", "paged_decode", "rms_norm", "rotary",
            "rotary_store_kv", "silu_and_mul", "silu_project", "store_kv"]
@@ -75,6 +75,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | IntWeight | Fp
 
         return skinny_linear_triton(x, weight, add=add)
     return linear_impl(x, weight, add)
+
+
+def cpu_layout(weight: PackedWeight) -> PackedWeight:
+    """``weight`` (multiplied on the CPU) in the layout this CPU's native kernels read fastest:
+    the same values, some parts perhaps repacked (``NativeCpuKernels.repack_lanes8``); itself
+    where the native kernels are off."""
+    native = native_kernels()
+    return weight if native is None else native.repack_lanes8(weight)
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,

@@ -8,7 +8,9 @@ Workloads (greedy; ``ignore_eos`` on tidegate's side, llama.cpp's generator neve
   batch1  one chat prompt (the chat template around a question), 128 new tokens: prefill time
           and ms per output token (the median decode step, and the mean); tidegate's 8-bit
           default also with a native call per decoder layer (``layer_by_layer``) instead of one
-          for the whole stack, to show what the Python between layers costs.
+          for the whole stack, to show what the Python between layers costs, and with its
+          blocks in the file's rows layout (``rows_layout``) where this CPU's kernels repack
+          them to lanes8.
   mixed   32 requests, prompts uniform in 64-512 tokens, outputs uniform in 64-256
           (``benchmarks/engine/engine_cpu.py``'s workload), all submitted at t=0: output tokens/s.
           tidegate only (llama-cpp-python serves one sequence at a time).
@@ -20,6 +22,9 @@ set), ``tidegate eval-ppl`` on --ppl-text in both activation modes and llama.cpp
 over the same token ids (--no-ppl skips them), and
 where a decode step's time goes at batch 32 and longer contexts (--no-attention skips it): the
 step, and the paged attention kernel alone over the same cache, with float32 and int8 KV.
+
+``--kernel-defines TIDEGATE_NO_AVX512`` builds tidegate's kernels as an AVX2-only CPU would run
+them (llama.cpp's side is as llama-cpp-python was built: ``-DGGML_AVX512=OFF`` to match).
 
 Usage:  python -m tidegate.benchmarks.engine.quantized_cpu [--threads 2] [--repeats 3] [--no-mixed] [--no-ppl]
             [--out benchmarks/results/engine/quantized_cpu.json] [--plot benchmarks/results/engine/quantized_cpu.png]
@@ -48,6 +53,7 @@ from tidegate.benchmarks.engine.engine_cpu import mixed_workload, run_tidegate  
 from tidegate.benchmarks.harness.greedy import PROMPTS, first_divergence, generate
 from tidegate.benchmarks.harness.measure import record
 from tidegate.kernels import ops
+from tidegate.kernels.cpu.native_cpu import use_native_kernels
 from tidegate.protocol import SamplingParams  # noqa: E402
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model  # noqa: E402
@@ -88,6 +94,18 @@ def tidegate_batch1(name: str, loaded: LoadedModel, prompt: list[int]) -> Batch1
     decode = steps[1:]
     return Batch1(name, len(prompt), steps[0], statistics.median(decode),
                   statistics.fmean(decode), tokens)
+
+
+@contextmanager
+def rows_layout() -> Iterator[None]:
+    """Models loaded with their GGUF blocks in the file's rows layout, where the loader would
+    repack some to lanes8 for this CPU (``ops.cpu_layout``): the same bits."""
+    real = ops.cpu_layout
+    ops.cpu_layout = lambda weight: weight  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        ops.cpu_layout = real
 
 
 @contextmanager
@@ -244,6 +262,9 @@ def main() -> None:
     ap.add_argument("--no-attention", action="store_true",
                     help="skip the batch-32 decode steps at long contexts")
     ap.add_argument("--ppl-text", default=PPL_TEXT)
+    ap.add_argument("--kernel-defines", nargs="+", default=[], metavar="NAME",
+                    help="build tidegate's kernels with these -D names (TIDEGATE_NO_AVX512: "
+                         "the AVX2 path an AVX2-only CPU runs)")
     ap.add_argument("--out", default="benchmarks/results/engine/quantized_cpu.json")
     ap.add_argument("--plot", default="benchmarks/results/engine/quantized_cpu.png")
     ap.add_argument("--replot", metavar="JSON", help="only redraw --plot from a written JSON")
@@ -254,7 +275,12 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     keep_large_allocations()
+    if args.kernel_defines:
+        forced = use_native_kernels(tuple(args.kernel_defines))
+        print(f"tidegate's kernels built with {args.kernel_defines}: 8-bit path {forced.q8_path}")
     packed = load_model("smollm2", packed=True, cpu_activations="int8")
+    with rows_layout():
+        packed_rows = load_model("smollm2", packed=True, cpu_activations="int8")
     exact = load_model("smollm2", packed=True, cpu_activations="float")
     dequantized = load_model("smollm2", packed=False)
     assert packed.source.path is not None
@@ -275,6 +301,9 @@ def main() -> None:
             got["b1 llama.cpp"] = llama_cpp_batch1(llm, prompt)
         got["b1 tidegate packed int8"] = tidegate_batch1(
             "tidegate, packed Q4_1/Q8_0, 8-bit activations", packed, prompt)
+        got["b1 tidegate packed int8, rows layout"] = tidegate_batch1(
+            "tidegate, packed Q4_1/Q8_0, 8-bit activations, the file's rows layout (no lanes8)",
+            packed_rows, prompt)
         with layer_by_layer():
             got["b1 tidegate packed int8, a call per layer"] = tidegate_batch1(
                 "tidegate, packed Q4_1/Q8_0, 8-bit activations, a native call per layer",
@@ -304,6 +333,7 @@ def main() -> None:
     report: dict[str, object] = {
         **record.record(),
         "machine": {**record.machine(), "cpu": record.cpu_model(), "threads": args.threads},
+        "kernel_defines": args.kernel_defines,
         "model": str(packed.source.path.name), "prompt_tokens": len(prompt),
         "weight_mb": {"packed": round(packed.weight_bytes() / 1e6, 1),
                       "float32": round(dequantized.weight_bytes() / 1e6, 1)},

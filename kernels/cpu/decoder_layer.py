@@ -25,7 +25,7 @@ import torch
 from tidegate.kernels.cpu.native_cpu import NativeCpuKernels
 from tidegate.kernels.cpu.paged_attention import PagedLayer, PagedStack, kv_int8
 from tidegate.kernels.weights.int_weight import IntWeight
-from tidegate.kernels.weights.packed_weight import PackedWeight
+from tidegate.kernels.weights.packed_weight import LANES8, PackedWeight
 
 # Layer structs kept (each holds its weights alive): a few models' worth.
 MAX_LAYERS = 1024
@@ -53,7 +53,7 @@ class DecoderWeights:
 class _Projection(ctypes.Structure):
     _fields_ = [("ggml_type", ctypes.c_int64), ("bits", ctypes.c_int64),
                 ("group", ctypes.c_int64), ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("zeros", ctypes.c_void_p), ("rows", ctypes.c_int64)]
+                ("zeros", ctypes.c_void_p), ("rows", ctypes.c_int64), ("lanes8", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):
@@ -84,9 +84,10 @@ def takes_int8(weight: torch.Tensor | PackedWeight | IntWeight) -> bool:
 def _projection(weight: PackedWeight | IntWeight) -> _Projection:
     if isinstance(weight, PackedWeight):
         part = weight.parts[0]
-        return _Projection(part.qtype, 0, 0, part.data.data_ptr(), None, None, part.rows)
+        return _Projection(part.qtype, 0, 0, part.data.data_ptr(), None, None, part.rows,
+                           part.layout == LANES8)
     return _Projection(-1, weight.bits, weight.group_size, weight.qweight.data_ptr(),
-                       weight.scales.data_ptr(), weight.zeros.data_ptr(), weight.shape[0])
+                       weight.scales.data_ptr(), weight.zeros.data_ptr(), weight.shape[0], 0)
 
 
 def _check(rc: int) -> None:

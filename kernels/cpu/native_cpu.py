@@ -29,14 +29,14 @@ import torch
 from tidegate.kernels.dispatch import kernel_mode
 from tidegate.kernels.weights.fp8_weight import Fp8Weight
 from tidegate.kernels.weights.int_weight import IntWeight
-from tidegate.kernels.weights.packed_weight import PackedWeight
+from tidegate.kernels.weights.packed_weight import LANES8, LANES8_ROWS, PackedWeight, Part
 
 log = logging.getLogger("tidegate.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_decode_cpu.c", CSRC / "linear_cpu.c",  # one shared object
            CSRC / "packed_linear_cpu.c", CSRC / "q8_linear_cpu.c", CSRC / "elementwise_cpu.c",
-           CSRC / "decoder_layer_cpu.c")
+           CSRC / "q8_lanes8_cpu.c", CSRC / "decoder_layer_cpu.c")
 # fast-math's parts let the compiler vectorize the reductions (the kernel never sees inf or
 # NaN by construction: its exp clamps, its max starts from a real score). Not -ffast-math
 # itself: with it, GCC links crtfastmath.o into the shared object, whose loading turns on
@@ -204,6 +204,45 @@ class NativeCpuKernels:
         self.lib.tidegate_q8_row_bytes.restype = ctypes.c_int64
         # Which path the 8-bit kernels compute with: 2 AVX512-VNNI, 1 AVX2, 0 portable C.
         self.q8_path = int(self.lib.tidegate_q8_path())
+        self.lib.tidegate_q8_lanes8_preferred.argtypes = [ctypes.c_int]
+        self.lib.tidegate_q8_lanes8_preferred.restype = ctypes.c_int
+        fn = self.lib.tidegate_q8_repack_lanes8
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        self._repack_lanes8 = fn
+        fn = self.lib.tidegate_q8_lanes8_rows
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        self._lanes8_rows = fn
+        fn = self.lib.tidegate_q8_lanes8_linear
+        fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._q8_lanes8_linear = fn
+
+    def lanes8_preferred(self, qtype: int) -> bool:
+        """Whether this CPU's 8-bit kernels run faster on ``qtype`` matrices repacked to the
+        lanes8 layout (``tidegate.kernels.weights.packed_weight``)."""
+        return bool(self.lib.tidegate_q8_lanes8_preferred(qtype))
+
+    def repack_lanes8(self, weight: PackedWeight, *, force: bool = False) -> PackedWeight:
+        """``weight`` with every part this CPU's 8-bit kernels prefer in the lanes8 layout
+        (``force``: every part that has one), the others as they were. Half of the 8-bit
+        kernels' instructions at few rows of x (batch-1 decode) on AVX2 and on AMD's AVX-512;
+        the same values either way. Parts whose rows are not whole groups of 8, and Q8_0 parts
+        holding a code of -128, stay in rows."""
+        parts = []
+        for part in weight.parts:
+            if (part.layout == LANES8 or not weight.takes_int8(part) or part.rows % LANES8_ROWS
+                    or not (force or self.lanes8_preferred(part.qtype))):
+                parts.append(part)
+                continue
+            out = torch.empty_like(part.data)
+            rc = self._repack_lanes8(part.qtype, part.data.data_ptr(), part.rows,
+                                     weight.shape[1], out.data_ptr())
+            parts.append(Part(part.qtype, out, LANES8) if rc == 0 else part)
+        return PackedWeight(weight.shape, tuple(parts), weight.activations)
 
     def skinny_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight[N, K].T -> [M, N] for few rows (decode steps); float32 CPU."""
@@ -241,8 +280,9 @@ class NativeCpuKernels:
             a = None if add is None else add.data_ptr() + 4 * row
             if weight.takes_int8(part):
                 xq = self.quantize_rows_q8(x) if xq is None else xq
-                rc = self._q8_packed_linear(part.qtype, xq.data_ptr(), part.data.data_ptr(), y, a,
-                                            m, part.rows, k, n, threads)
+                linear = self._q8_lanes8_linear if part.layout == LANES8 else self._q8_packed_linear
+                rc = linear(part.qtype, xq.data_ptr(), part.data.data_ptr(), y, a, m, part.rows, k,
+                            n, threads)
             else:
                 rc = self._packed_linear(part.qtype, x.data_ptr(), part.data.data_ptr(), y, a, m,
                                          part.rows, k, x.stride(0), n, threads)
@@ -317,6 +357,12 @@ class NativeCpuKernels:
             raise IndexError(f"row ids out of range for {n} rows")
         part = weight.parts[0]
         ids = ids.contiguous()
+        if part.layout == LANES8:  # the rows wanted, back in the rows layout
+            rows = torch.empty(ids.numel(), part.data.shape[1], dtype=torch.uint8)
+            if self._lanes8_rows(part.qtype, part.data.data_ptr(), k, ids.data_ptr(), ids.numel(),
+                                 rows.data_ptr()) != 0:
+                raise ValueError(f"dequantize rows: GGML type {part.qtype} has no lanes8 layout")
+            part, ids = Part(part.qtype, rows), torch.arange(ids.numel())
         if self._dequant_rows(part.qtype, part.data.data_ptr(), k, ids.data_ptr(), ids.numel(),
                               out.data_ptr()) != 0:
             raise ValueError(f"dequantize rows: GGML type {part.qtype} with {k} columns")
@@ -479,6 +525,15 @@ def native_kernels() -> NativeCpuKernels | None:
         lib = _loaded["lib"]
     if lib is None and mode == "native":
         raise NativeBuildError("native CPU kernels are unavailable (see the earlier warning)")
+    return lib
+
+
+def use_native_kernels(defines: tuple[str, ...]) -> NativeCpuKernels:
+    """Make the kernels built with ``defines`` (``-D`` names forcing slower paths, as the tests
+    build them: ``TIDEGATE_NO_AVX512`` gives an AVX2 machine's kernels) this process's native
+    kernels, before any model runs on them: benchmarks time another CPU's path on this one."""
+    with _lock:
+        lib = _loaded["lib"] = NativeCpuKernels(build(defines=defines))
     return lib
 
 

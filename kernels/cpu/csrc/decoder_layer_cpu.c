@@ -41,13 +41,17 @@ void tidegate_quantize_rows_q8(const float *x, int64_t ldx, int64_t m, int64_t k
 int tidegate_q8_packed_linear(int t, const uint8_t *xq, const uint8_t *w, float *y,
                               const float *add, int64_t m_dim, int64_t n_dim, int64_t k_dim,
                               int64_t ldy, int num_threads);
+int tidegate_q8_lanes8_linear(int t, const uint8_t *xq, const uint8_t *w, float *y,
+                              const float *add, int64_t m_dim, int64_t n_dim, int64_t k_dim,
+                              int64_t ldy, int num_threads);
 int tidegate_q8_int_linear(int bits, int64_t group, const uint8_t *xq, const uint8_t *q,
                            const float *scales, const uint8_t *zeros, float *y, const float *add,
                            int64_t m_dim, int64_t n_dim, int64_t k_dim, int64_t ldy,
                            int num_threads);
 
-/* One projection's weights: a GGML type's packed rows, or integers with group scales (no
- * act-order permutation). */
+/* One projection's weights: a GGML type's packed rows (or, with lanes8, the same blocks
+ * repacked 8 rows to a group: q8_linear_cpu.c), or integers with group scales (no act-order
+ * permutation). */
 struct tidegate_projection {
     int64_t ggml_type; /* >= 0: GGML rows; -1: integers */
     int64_t bits, group;
@@ -55,6 +59,7 @@ struct tidegate_projection {
     const float *scales;
     const uint8_t *zeros;
     int64_t rows;
+    int64_t lanes8;
 };
 
 struct tidegate_decoder_layer {
@@ -77,6 +82,9 @@ struct tidegate_step_rows {
 static int project(const struct tidegate_projection *p, const float *x, int64_t rows, int64_t k,
                    uint8_t *xq, float *y, int threads) {
     tidegate_quantize_rows_q8(x, k, rows, k, xq, threads);
+    if (p->ggml_type >= 0 && p->lanes8)
+        return tidegate_q8_lanes8_linear((int)p->ggml_type, xq, p->w, y, NULL, rows, p->rows, k,
+                                         p->rows, threads);
     if (p->ggml_type >= 0)
         return tidegate_q8_packed_linear((int)p->ggml_type, xq, p->w, y, NULL, rows, p->rows, k,
                                          p->rows, threads);

@@ -50,6 +50,11 @@
  *   the 8 rows' partial sums added into one vector (lane r: row r), and the float steps run
  *   for the 8 outputs at once. Other formats, and portable C: rows decoded into codes, then
  *   one dot product per (row, step).
+ * * Repacked (lanes8, q8_lanes8_cpu.c; the loader repacks Q4_0/Q4_1/Q8_0 where
+ *   tidegate_q8_lanes8_preferred says so: AVX2, and AVX-512 on AMD): 8 weight rows already
+ *   side by side in each vector, so a block's codes multiply x's 4 bytes broadcast
+ *   (vpmaddubsw, vpdpbusd with VNNI) with no decoding across rows and no horizontal sums:
+ *   half the instructions at batch-1 decode.
  * TIDEGATE_NO_AMX, TIDEGATE_NO_AVX512 or TIDEGATE_PORTABLE (compile definitions) force the
  * slower paths, so the tests check them on a machine that has AMX.
  */
@@ -63,19 +68,13 @@
 #include "ggml_blocks.h"
 #include "row_source.h"
 
-#if !defined(TIDEGATE_PORTABLE) && !defined(TIDEGATE_NO_AVX512) && defined(__AVX512F__) && \
-    defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define Q8_LANES 1
-#include <immintrin.h>
-#if !defined(TIDEGATE_NO_AMX) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
-    defined(__linux__)
+#include "q8_record.h"
+
+#if defined(Q8_LANES) && !defined(TIDEGATE_NO_AMX) && defined(__AMX_TILE__) && \
+    defined(__AMX_INT8__) && defined(__linux__)
 #define Q8_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
-#endif
-#elif !defined(TIDEGATE_PORTABLE) && defined(__AVX2__)
-#define Q8_AVX2 1
-#include <immintrin.h>
 #endif
 
 #define STRIP 16      /* weight rows per strip: one per 32-bit lane of an AVX-512 vector */
@@ -115,16 +114,6 @@ int tidegate_q8_path(void) {
 
 /* Bytes of one quantized row of k columns; 0 when k is not whole blocks of 32. */
 int64_t tidegate_q8_row_bytes(int64_t k) { return k % 32 || k <= 0 ? 0 : k + k / 2; }
-
-struct q8row {
-    const int8_t *q;
-    const float *dx, *xs32, *xs16;
-};
-
-static inline struct q8row q8_row(const uint8_t *rec, int64_t k) {
-    const float *f = (const float *)(rec + k);
-    return (struct q8row){(const int8_t *)rec, f, f + k / 32, f + k / 16};
-}
 
 /* One row x[k] into its record (layout above). */
 void tidegate_quantize_row_q8(const float *x, int64_t k, uint8_t *rec) {
@@ -978,6 +967,27 @@ static int q8_linear(const struct row_source *src, const uint8_t *xbuf, float *y
     return failed ? -2 : 0;
 }
 #endif
+
+/* ---------------------------------------------------------------------------------------- */
+/* The lanes8 layout (q8_lanes8_cpu.c)                                                      */
+
+/* Whether the kernels here prefer lanes8 for a matrix of type t (the loader then repacks it):
+ * on AVX2, and with AVX512-VNNI where the rows are read with plain loads (AMD, whose gathers are
+ * microcoded). Not with AMX tiles, which take 16 rows of x at a time from the rows layout, nor
+ * where Intel's gathers serve the lanes path (not measured against lanes8). */
+int tidegate_q8_lanes8_preferred(int t) {
+    if (t != T_Q4_0 && t != T_Q4_1 && t != T_Q8_0) return 0;
+#if defined(Q8_AMX)
+    if (amx_ready()) return 0;
+#endif
+#if defined(Q8_LANES)
+    return rows_path();
+#elif defined(Q8_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* ---------------------------------------------------------------------------------------- */
 /* Entry points                                                                             */

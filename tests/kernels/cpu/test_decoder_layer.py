@@ -1,8 +1,8 @@
 """The one-call decoder layer and layer stack (``tidegate.kernels.cpu.decoder_layer``, ``csrc/decoder_layer_cpu.c``) against the
 op-by-op path it replaces: the engine's hidden states bit for bit, over prompt chunks and decode
 steps of several sequences (prompts of different lengths, chunked), for GGUF blocks and for
-integer weights, with a float32 and an int8 KV cache; and it steps aside where it does not
-serve."""
+integer weights, with a float32 and an int8 KV cache, with GGUF blocks in the rows layout and
+repacked to lanes8; and it steps aside where it does not serve."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ from gguf import GGMLQuantizationType
 
 from tests.worker.tiny_checkpoints import tiny_hf_model, write_gguf
 from tidegate.kernels import ops
+from tidegate.kernels.cpu.native_cpu import native_kernels
 from tidegate.kernels.weights.int_weight import IntWeight
+from tidegate.kernels.weights.packed_weight import LANES8, ROWS, PackedWeight
 from tidegate.protocol import SamplingParams
 from tidegate.worker.engine.engine import Engine, EngineConfig, EngineRequest
 from tidegate.worker.models.loaders.loader import LoadedModel, load_model
-from tidegate.worker.models.packed_modules import PackedLinear
+from tidegate.worker.models.packed_modules import PackedEmbedding, PackedLinear
 
 T = GGMLQuantizationType
 PROMPTS = [[5, 9, 13], list(range(20, 47)), [7] * 12]
@@ -109,3 +111,38 @@ def test_float_activations_and_the_reference_mode_go_op_by_op(
     monkeypatch.setenv("TIDEGATE_KERNELS", "reference")
     for path in ("stack", "layer"):
         assert hidden_states(loaded, monkeypatch, path=path)[1] == 0
+
+
+def _layouts(loaded: LoadedModel) -> dict[str, tuple[str, bool]]:
+    """Each packed matrix's (layout, whether it can be repacked: rows in whole groups of 8 and
+    a type this CPU's kernels prefer lanes8 for)."""
+    native = native_kernels()
+    assert native is not None
+    return {name: (m.weight.parts[0].layout, m.weight.shape[0] % 8 == 0
+                   and native.lanes8_preferred(m.weight.parts[0].qtype))
+            for name, m in loaded.model.named_modules()
+            if isinstance(m, PackedLinear | PackedEmbedding) and isinstance(m.weight, PackedWeight)}
+
+
+def test_repacked_blocks_give_the_rows_layouts_bits(
+        gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader repacks Q4_1 and Q8_0 matrices to lanes8 where this CPU's kernels prefer it
+    (not the tied embedding here: 260 rows are not whole groups of 8); forced into either
+    layout, a model's every step is the same."""
+    native = native_kernels()
+    assert native is not None
+    loaded = load_model(str(gguf_path), cpu_activations="int8")
+    assert all(layout == (LANES8 if preferred else ROWS)
+               for layout, preferred in _layouts(loaded).values())
+    with monkeypatch.context() as patch:
+        patch.setattr(ops, "cpu_layout", lambda w: native.repack_lanes8(w, force=True))
+        lanes = load_model(str(gguf_path), cpu_activations="int8")
+        patch.setattr(ops, "cpu_layout", lambda w: w)
+        rows = load_model(str(gguf_path), cpu_activations="int8")
+    assert all(layout == LANES8 for name, (layout, _) in _layouts(lanes).items()
+               if name != "embed_tokens")
+    assert {layout for layout, _ in _layouts(rows).values()} == {ROWS}
+    by_rows, _ = hidden_states(rows, monkeypatch, path="stack")
+    for path in ("stack", "ops"):
+        by_lanes, _ = hidden_states(lanes, monkeypatch, path=path)
+        assert all(torch.equal(a, b) for a, b in zip(by_lanes, by_rows, strict=True)), path

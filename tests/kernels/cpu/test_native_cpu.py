@@ -118,6 +118,18 @@ def test_processes_starting_together_compile_once(fresh_native: Path,
     assert log.read_text().splitlines() == ["x"]
 
 
+def test_a_benchmark_can_run_the_kernels_of_a_slower_path(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """``use_native_kernels`` swaps in the kernels built with the given definitions (here the
+    portable C path) for what the process runs from then on."""
+    monkeypatch.setattr(native_cpu, "_loaded", {})
+    forced = native_cpu.use_native_kernels(("TIDEGATE_PORTABLE",))
+    assert forced.q8_path == 0 and native_cpu.native_kernels() is forced
+    x = torch.randn(3, 64)
+    assert torch.equal(ops.rms_norm(x, torch.ones(64), 1e-5)[0],
+                       forced.rms_norm(x, torch.ones(64), 1e-5)[0])
+
+
 def test_without_a_compiler_auto_falls_back_and_native_fails_loudly(
     fresh_native: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

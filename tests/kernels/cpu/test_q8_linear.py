@@ -2,7 +2,8 @@
 per row to 8-bit blocks as ``tidegate.kernels.reference.q8_activations`` defines it, then the dequantized matrix's
 product in float64. Fresh random inputs each run; every quantized GGUF type and integer layout;
 partial strips of 16 weight rows; 1 to 64 rows of x; with and without the residual add; each of
-the compiled paths (AMX and AVX512-VNNI where the CPU has them, AVX2, portable C)."""
+the compiled paths (AMX and AVX512-VNNI where the CPU has them, AVX2, portable C); the rows
+layout and the lanes8 layout (8 rows side by side) that Q4_0, Q4_1 and Q8_0 are repacked to."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ from tidegate.kernels.cpu.linear import int_linear_ref, packed_linear_ref
 from tidegate.kernels.cpu.native_cpu import NativeBuildError, NativeCpuKernels, build
 from tidegate.kernels.reference.q8_activations import dequantize_rows_q8_ref, quantize_rows_q8_ref
 from tidegate.kernels.weights.int_weight import IntWeight
-from tidegate.kernels.weights.packed_weight import Q8_TYPES, PackedWeight
+from tidegate.kernels.weights.packed_weight import (
+    LANES8,
+    LANES8_TYPES,
+    Q8_TYPES,
+    ROWS,
+    PackedWeight,
+    lanes8_to_rows,
+)
 
 T = GGMLQuantizationType
 TYPES = sorted(Q8_TYPES, key=int)
@@ -180,3 +188,72 @@ def test_an_unknown_activation_mode_is_refused() -> None:
         w.with_activations("int4")
     with pytest.raises(ValueError, match="activations must be one of float, int8"):
         IntWeight.quantize(torch.randn(4, 32), 8).with_activations("fp8")
+
+
+@pytest.mark.parametrize("qtype", sorted(LANES8_TYPES, key=int), ids=lambda t: t.name)
+def test_lanes8_gives_the_rows_layouts_bits(native: NativeCpuKernels, q8: NativeCpuKernels,
+                                            qtype: T) -> None:
+    """Repacked 8 rows to a group, a matrix holds the same bytes (the reference un-repacks
+    them) and every path computes the rows layout's bits from it: one row of x (decode), a
+    few, and more than a pass over a group takes (32), with and without the add."""
+    rng = np.random.default_rng()
+    for rows, cols in ((8, 32), (24, 224), (64, 576)):
+        weight = random_packed(qtype, rows, cols, rng).with_activations("int8")
+        packed = q8.repack_lanes8(weight, force=True)
+        part = packed.parts[0]
+        assert part.layout == LANES8 and part.data.shape == weight.parts[0].data.shape
+        assert np.array_equal(lanes8_to_rows(part.data.numpy(), qtype, cols),
+                              weight.parts[0].data.numpy())
+        for m in (1, 3, 4, 9, 40):
+            x = torch.from_numpy(rng.standard_normal((m, cols)).astype(np.float32))
+            add = torch.from_numpy(rng.standard_normal((m, rows)).astype(np.float32))
+            want = native.packed_linear(x, weight, add)
+            assert torch.equal(q8.packed_linear(x, packed, add), want), (rows, cols, m)
+            assert_close(q8.packed_linear(x, packed), dequantize_rows_q8_ref(x),
+                         weight.dequantize(), (rows, cols, m))
+
+
+def test_a_lanes8_matrix_reads_as_its_rows(native: NativeCpuKernels) -> None:
+    """Embedding lookups (a tied LM head's matrix), the references and float activations read
+    a repacked matrix's rows as the file's; stacking and permuting come before repacking."""
+    rng = np.random.default_rng()
+    weight = random_packed(T.Q8_0, 40, 96, rng).with_activations("int8")
+    packed = native.repack_lanes8(weight, force=True)
+    ids = torch.tensor([0, 7, 8, 39, 8, 21])
+    rows = weight.dequantize()[ids]
+    assert torch.equal(native.dequantize_rows(packed, ids), rows)
+    assert torch.equal(ops.embedding(ids, packed), rows)
+    assert torch.equal(packed.dequantize_rows(ids), rows)
+    assert torch.equal(packed.dequantize(), weight.dequantize())
+    floats = packed.with_activations("float")
+    assert floats.parts[0].layout == ROWS
+    assert torch.equal(floats.parts[0].data, weight.parts[0].data)
+    x = torch.randn(2, 96)
+    assert torch.equal(native.packed_linear(x, floats),
+                       native.packed_linear(x, weight.with_activations("float")))
+    with pytest.raises(ValueError, match="stack the rows, then repack"):
+        PackedWeight.cat([packed, weight])
+    with pytest.raises(ValueError, match="permute, then repack"):
+        packed.permute_rows(torch.arange(40).flip(0))
+
+
+def test_only_what_lanes8_holds_is_repacked(native: NativeCpuKernels) -> None:
+    """Rows not whole groups of 8, types without the layout, float activations and Q8_0 codes
+    of -128 (AVX2's sign trick cannot take them) stay in rows."""
+    rng = np.random.default_rng()
+    for weight in (random_packed(T.Q4_0, 12, 64, rng), random_packed(T.Q4_K, 16, 256, rng),
+                   random_packed(T.Q5_1, 16, 64, rng)):
+        kept = native.repack_lanes8(weight.with_activations("int8"), force=True)
+        assert kept.parts[0].layout == ROWS
+    assert native.repack_lanes8(random_packed(T.Q4_1, 16, 64, rng), force=True
+                                ).parts[0].layout == ROWS  # float activations
+    q8_0 = random_packed(T.Q8_0, 16, 64, rng).with_activations("int8")
+    raw = q8_0.parts[0].data.clone()
+    raw[5, 2 + 34 + 7] = 0x80  # row 5, block 1, code 7: -128
+    odd = PackedWeight.from_bytes(T.Q8_0, (16, 64), raw).with_activations("int8")
+    assert native.repack_lanes8(odd, force=True).parts[0].layout == ROWS
+    x = torch.randn(1, 64)
+    assert_close(native.packed_linear(x, odd), dequantize_rows_q8_ref(x), odd.dequantize(), "-128")
+    # What this CPU prefers: the loader repacks these and only these.
+    preferred = native.repack_lanes8(q8_0).parts[0].layout == LANES8
+    assert preferred == native.lanes8_preferred(T.Q8_0)
