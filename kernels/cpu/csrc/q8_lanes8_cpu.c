@@ -51,7 +51,8 @@ int tidegate_q8_repack_lanes8(int t, const uint8_t *w, int64_t n, int64_t k, uin
                 const uint8_t *p = w + (g * L8 + r) * rb + b * bb, *qs = p + l8_codes(t);
                 memcpy(o + 2 * r, p, 2);
                 if (t == T_Q4_1) memcpy(o + 16 + 2 * r, p + 2, 2);
-                for (int64_t j = 0; j < qb / 4; ++j) memcpy(o + head + 32 * j + 4 * r, qs + 4 * j, 4);
+                for (int64_t j = 0; j < qb / 4; ++j)
+                    memcpy(o + head + 32 * j + 4 * r, qs + 4 * j, 4);
                 if (t == T_Q8_0)
                     for (int e = 0; e < 32; ++e)
                         if (qs[e] == 0x80) return -1;
@@ -96,8 +97,8 @@ static inline __m256i bcast4x8(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* mr rows of x against one group (8 weight rows from g), every block: y[i * ldy + r] (+ add). sx: each
- * row's per-block sums of q (Q8_0 on AVX2 only). */
+/* mr rows of x against one group (8 weight rows from g), every block: y[i * ldy + r] (+ add).
+ * sx: each row's per-block sums of q (Q8_0 on AVX2 only). */
 static inline __attribute__((always_inline)) void lanes8_group(
     int t, const uint8_t *g, int64_t blocks, const struct q8row *x, const int32_t *sx, int mr,
     float *y, const float *add, int64_t ldy) {
@@ -122,7 +123,8 @@ static inline __attribute__((always_inline)) void lanes8_group(
             for (int i = 0; i < mr; ++i) {
                 const int8_t *xb = x[i].q + 32 * b;
                 s[i] = _mm256_setzero_si256();
-                for (int j = 0; j < 8; ++j) s[i] = _mm256_dpbusd_epi32(s[i], c[j], bcast4x8(xb + 4 * j));
+                for (int j = 0; j < 8; ++j)
+                    s[i] = _mm256_dpbusd_epi32(s[i], c[j], bcast4x8(xb + 4 * j));
             }
 #else /* |x| times q with x's sign: pairs within 16 bits; then + 128 * sum(q) */
             for (int i = 0; i < mr; ++i) {
@@ -192,8 +194,9 @@ static inline __attribute__((always_inline)) void lanes8_pair(
         _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + (off)))),                 \
         _mm_loadu_si128((const __m128i *)(q + (off))), 1)
         const __m512 d = _mm512_cvtph_ps(PAIR128(0));
-        const __m512 m = t == T_Q4_1 ? _mm512_cvtph_ps(PAIR128(16))
-                                     : _mm512_mul_ps(d, _mm512_set1_ps(t == T_Q4_0 ? -8.0f : -128.0f));
+        const __m512 m = t == T_Q4_1
+            ? _mm512_cvtph_ps(PAIR128(16))
+            : _mm512_mul_ps(d, _mm512_set1_ps(t == T_Q4_0 ? -8.0f : -128.0f));
         __m512i c[8];
         if (t == T_Q8_0) {
             for (int j = 0; j < 8; ++j)
@@ -249,7 +252,8 @@ static void lanes8_group(int t, const uint8_t *g, int64_t blocks, const struct q
                 const uint8_t *p = g + b * gb, *qs = p + head;
                 const int8_t *xb = x[i].q + 32 * b;
                 const float d = rdh(p + 2 * r);
-                const float m = t == T_Q4_1 ? rdh(p + 16 + 2 * r) : d * (t == T_Q4_0 ? -8.0f : -128.0f);
+                const float m = t == T_Q4_1 ? rdh(p + 16 + 2 * r)
+                                            : d * (t == T_Q4_0 ? -8.0f : -128.0f);
                 int32_t s = 0;
                 for (int col = 0; col < 32; ++col) {
                     int32_t c;
