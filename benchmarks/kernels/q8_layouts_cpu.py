@@ -2,7 +2,7 @@
 
 A decode step of the default model (SmolLM2-135M, Q4_1 projections, a tied Q8_0 LM head) is its
 projections at a few rows of x. This times each projection shape of that model in the rows
-layout (the file's) and repacked to lanes8 (``csrc/q8_linear_cpu.c``), at 1, 4, 16 and 128 rows,
+layout (the file's) and repacked to lanes8 (``csrc/q8_lanes8_cpu.c``), at 1, 4, 16 and 128 rows,
 with the kernels as built for this CPU and with the AVX2 path forced (``TIDEGATE_NO_AVX512``:
 an AVX-512 machine then runs what a Zen 3 or an older Intel part runs). Calls alternate between
 the layouts, rounds interleaved; each figure is the median of ``--repeats`` rounds. Both

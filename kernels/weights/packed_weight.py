@@ -9,7 +9,7 @@ matrix except ``dequantize`` itself, the reference the kernels are checked again
 A part's bytes are in one of two layouts: ``ROWS``, as the file stores them (row r at
 ``data[r]``), or ``LANES8``, the same blocks repacked at load so that 8 rows sit side by side in
 a vector's lanes (Q4_0, Q4_1 and Q8_0 rows for the 8-bit kernels, where the CPU prefers it:
-``csrc/q8_linear_cpu.c`` documents the layout). Repacking is the last step of a load: stacking
+``csrc/q8_lanes8_cpu.c`` documents the layout). Repacking is the last step of a load: stacking
 and permuting take rows only, and every reader here gives the same values in either layout.
 """
 
