@@ -314,11 +314,14 @@ int tidegate_q8_lanes8_linear(int t, const uint8_t *xq, const uint8_t *w, float 
         /* whole pairs of groups per thread, for lanes8_pair */
         const int64_t pairs = (groups + 1) / 2, g0 = 2 * (pairs * me / nth);
         const int64_t g1 = me + 1 == nth ? groups : 2 * (pairs * (me + 1) / nth);
-        int64_t step = 1;
         for (int64_t c0 = 0; c0 < m_dim; c0 += L8_CHUNK) {
             const int64_t c1 = c0 + L8_CHUNK < m_dim ? c0 + L8_CHUNK : m_dim;
-            for (int64_t g = g0; g < g1; g += step) {
-                step = 1;
+            for (int64_t g = g0; g < g1;) {
+#if defined(Q8_LANES) /* two groups per 512-bit vector for more than a few rows of x */
+                const int pair = m_dim > L8_PAIR_FROM && g + 1 < g1;
+#else
+                const int pair = 0;
+#endif
                 for (int64_t m0 = c0; m0 < c1; m0 += L8_ROWS) {
                     const int mr = c1 - m0 < L8_ROWS ? (int)(c1 - m0) : L8_ROWS;
                     struct q8row x[L8_ROWS];
@@ -326,16 +329,16 @@ int tidegate_q8_lanes8_linear(int t, const uint8_t *xq, const uint8_t *w, float 
                     float *yg = y + m0 * ldy + g * L8;
                     const float *ag = add == NULL ? NULL : add + m0 * ldy + g * L8;
 #if defined(Q8_LANES)
-                    if (m_dim > L8_PAIR_FROM && g + 1 < g1) {
+                    if (pair) {
                         PER_LANES8_TYPE(t, lanes8_pair, w + g * blocks * gb, blocks, x, mr, yg, ag,
                                         ldy);
-                        step = 2;
                         continue;
                     }
 #endif
                     PER_LANES8_TYPE(t, lanes8_group, w + g * blocks * gb, blocks, x,
                                     sx == NULL ? NULL : sx + m0 * blocks, mr, yg, ag, ldy);
                 }
+                g += pair ? 2 : 1;
             }
         }
     }
